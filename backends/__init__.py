@@ -1,0 +1,1 @@
+"""Built-in backends of kangaroo (installed as ``kangaroo_backends``)."""

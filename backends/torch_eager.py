@@ -1,0 +1,129 @@
+"""Eager PyTorch backend: a transformers Llama model split at the exit layer into M[:l], M[l:] and the shared head.
+
+Both halves write into one KV cache (layer indices are global); ``shallow`` runs ahead of ``deep`` while drafting,
+``crop`` brings both back to the accepted length.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kangaroo_backends.kv_cache import KVCache, causal_mask
+from kangaroo_backends.loading import load_model
+from kangaroo_core.config import ConfigError, DecodeConfig
+from kangaroo_core.hookspecs import hookimpl
+from kangaroo_core.interfaces import Backend
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def model_fingerprint(model) -> str:
+    """Hash of the architecture and a slice of the weights: cheap, and different for any other base model."""
+    cfg = model.config
+    arch = {k: getattr(cfg, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                               "num_key_value_heads", "vocab_size", "intermediate_size")}
+    digest = hashlib.sha256(json.dumps(arch, sort_keys=True).encode())
+    with torch.no_grad():
+        for tensor in (model.model.embed_tokens.weight[:64], model.model.norm.weight, model.lm_head.weight[-64:]):
+            digest.update(tensor.detach().to(torch.float32).contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+class TorchBackend(Backend):
+    """The target model in eager PyTorch (CPU or CUDA)."""
+
+    name = "torch"
+
+    def __init__(self, model, tokenizer, exit_layer: int, model_name: str = "model"):
+        config = model.config
+        self.num_layers = config.num_hidden_layers
+        if not 1 <= exit_layer < self.num_layers:
+            raise ConfigError(f"exit_layer must be in [1, {self.num_layers - 1}] for this {self.num_layers}-layer model, got {exit_layer}")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.exit_layer = exit_layer
+        self.model_name = model_name
+        self.vocab_size = config.vocab_size
+        self.hidden_size = config.hidden_size
+        self.max_context = config.max_position_embeddings
+        self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+        self.fingerprint = model_fingerprint(model)
+        eos = model.generation_config.eos_token_id
+        if eos is None:
+            eos = tokenizer.eos_token_id
+        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else list(eos or []))
+        inner = model.model
+        self.embed_tokens = inner.embed_tokens
+        self.rotary_emb = inner.rotary_emb
+        self.shallow_layers = inner.layers[:exit_layer]
+        self.deep_layers = inner.layers[exit_layer:]
+        self.final_norm = inner.norm
+        self.lm_head = model.lm_head
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.cache = KVCache(self.num_layers, config.num_key_value_heads, head_dim, self.dtype)
+        self._shallow_len = 0
+        self._deep_len = 0
+
+    @classmethod
+    def create(cls, config: DecodeConfig, model: Any = None, dtype: str = "float32", **options: Any) -> "TorchBackend":
+        if options:
+            raise ConfigError(f"unknown torch backend option(s): {', '.join(sorted(options))}")
+        if dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        loaded, tokenizer, name = load_model(model, dtype=DTYPES[dtype])
+        return cls(loaded, tokenizer, config.exit_layer, name)
+
+    # -- cache ---------------------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        self.cache.reset()
+        self._shallow_len = self._deep_len = 0
+
+    def crop(self, length: int) -> None:
+        self.cache.crop(length)
+        self._shallow_len = min(self._shallow_len, length)
+        self._deep_len = min(self._deep_len, length)
+
+    def cache_lengths(self) -> tuple[int, int]:
+        return self._shallow_len, self._deep_len
+
+    # -- the split model -------------------------------------------------------------------------------------------
+    def _run_layers(self, layers, hidden: torch.Tensor, start: int) -> torch.Tensor:
+        n = hidden.shape[1]
+        positions = torch.arange(start, start + n, device=self.device)
+        position_ids = positions[None]
+        position_embeddings = self.rotary_emb(hidden, position_ids)
+        mask = causal_mask(n, start, self.dtype)
+        for layer in layers:
+            hidden = layer(
+                hidden,
+                attention_mask=mask,
+                position_ids=position_ids,
+                past_key_values=self.cache,
+                cache_position=positions,
+                position_embeddings=position_embeddings,
+            )
+        return hidden
+
+    @torch.inference_mode()
+    def shallow(self, token_ids: Sequence[int]) -> torch.Tensor:
+        ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=self.device)[None]  # [1, n]
+        hidden = self._run_layers(self.shallow_layers, self.embed_tokens(ids), self._shallow_len)  # [1, n, d]
+        self._shallow_len += ids.shape[1]
+        return hidden[0]
+
+    @torch.inference_mode()
+    def deep(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = self._run_layers(self.deep_layers, hidden[None], self._deep_len)  # [1, n, d]
+        self._deep_len += hidden.shape[0]
+        return self.lm_head(self.final_norm(out))[0]  # [n, V]
+
+
+@hookimpl
+def register_backends(register):
+    register("torch", TorchBackend)

@@ -1,0 +1,271 @@
+"""The decode loop: draft → stop → verify, as a ladder of small steps with the paper's names.
+
+Glossary (shapes for one sequence, batch size 1):
+    l            exit layer; M[:l] is the shallow sub-network shared by drafter and target, M[l:] the rest.
+    x_n          the last committed token; it has not been through M[:l] yet when a round starts.
+    h            layer-l hidden states, [n, d]; saved while drafting and fed to M[l:] for verification,
+                 so M[:l] runs exactly once per position.
+    k            drafts proposed this round (0..gamma), d_1..d_k.
+    target_logits  [k+1, V]: row i is the target's prediction after x_n, d_1..d_i.
+    m            accepted drafts (0..k); the round emits d_1..d_m and one target token.
+    unseen       layer-l states the drafter has not consumed yet; when all k drafts are accepted it holds h(d_k),
+                 computed while drafting and reused by the next round (paper phase 5).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from kangaroo_core.config import DecodeConfig
+from kangaroo_core.errors import PromptError
+from kangaroo_core.interfaces import Backend, SelfDrafter, StoppingPolicy, Verifier
+from kangaroo_core.plugins import get_registry
+from kangaroo_core.results import DraftStep, GenerationResult, RoundResult, Verdict
+
+Prompt = str | Sequence[dict[str, str]]
+
+
+def _resolve(kind: str, piece: Any, config: DecodeConfig, options: dict | None):
+    """A plugin given by name is looked up once, here, and built from the config; an object is used as is."""
+    if not isinstance(piece, str):
+        return piece
+    return get_registry().resolve(kind, piece).create(config, **(options or {}))
+
+
+class Engine:
+    """A Kangaroo decoder composed of a backend, a drafter, a stopping policy and a verifier.
+
+    Build it from plugin names with :meth:`build`, or from objects::
+
+        engine = Engine(backend, KangarooDrafter(), ThresholdPolicy(eta=0.6), GreedyVerifier(), DecodeConfig())
+
+    ``drafter=None`` gives the target alone (one token per pass, the reference for losslessness and speed).
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        drafter: SelfDrafter | None,
+        policy: StoppingPolicy,
+        verifier: Verifier,
+        config: DecodeConfig = DecodeConfig(),
+    ):
+        if backend.exit_layer != config.exit_layer:
+            raise ValueError(f"backend split at layer {backend.exit_layer} but config.exit_layer={config.exit_layer}")
+        self.backend, self.drafter, self.policy, self.verifier, self.config = backend, drafter, policy, verifier, config
+        if drafter is not None:
+            drafter.bind(backend)
+
+    @classmethod
+    def build(
+        cls,
+        model: str | None = None,
+        *,
+        config: DecodeConfig = DecodeConfig(),
+        backend: str | Backend = "torch",
+        drafter: str | SelfDrafter | None = "kangaroo",
+        policy: str | StoppingPolicy = "threshold",
+        verifier: str | Verifier = "greedy",
+        adapter: str | None = None,
+        backend_options: dict | None = None,
+        drafter_options: dict | None = None,
+        policy_options: dict | None = None,
+        verifier_options: dict | None = None,
+    ) -> "Engine":
+        """Resolve every piece (plugin name or object) once and load the model."""
+        if isinstance(drafter, str) and adapter is not None:
+            drafter_options = {**(drafter_options or {}), "adapter": adapter}
+        policy_obj = _resolve("policy", policy, config, policy_options)
+        verifier_obj = _resolve("verifier", verifier, config, verifier_options)
+        drafter_obj = _resolve("drafter", drafter, config, drafter_options) if drafter is not None else None
+        backend_obj = _resolve("backend", backend, config, {"model": model, **(backend_options or {})})
+        return cls(backend_obj, drafter_obj, policy_obj, verifier_obj, config)
+
+    # -- prompts ---------------------------------------------------------------------------------------------------
+    def encode(self, prompt: Prompt, *, chat: bool = True) -> list[int]:
+        """Token ids of a prompt: a user message (chat template applied), a list of chat messages, or raw text."""
+        tokenizer = self.backend.tokenizer
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise PromptError("the prompt is empty")
+            if not chat or not tokenizer.chat_template:
+                return tokenizer.encode(prompt)
+            prompt = [{"role": "user", "content": prompt}]
+        if not prompt:
+            raise PromptError("the conversation is empty")
+        ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+    def _check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        if prompt_len == 0:
+            raise PromptError("the prompt is empty")
+        limit = self.backend.max_context
+        if prompt_len + max_new_tokens > limit:
+            raise PromptError(
+                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context of {limit} tokens"
+            )
+
+    # -- public API ------------------------------------------------------------------------------------------------
+    def generate(self, prompt: Prompt, *, chat: bool = True, max_new_tokens: int | None = None) -> GenerationResult:
+        """Decode one prompt; returns text, token ids and stats."""
+        stream = self.stream(prompt, chat=chat, max_new_tokens=max_new_tokens)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def generate_ids(self, prompt_ids: Sequence[int], max_new_tokens: int | None = None) -> GenerationResult:
+        """Decode from prompt token ids (no template)."""
+        stream = TextStream(self, list(prompt_ids), max_new_tokens or self.config.max_new_tokens)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def stream(self, prompt: Prompt, *, chat: bool = True, max_new_tokens: int | None = None) -> "TextStream":
+        """Iterate over text pieces as they are accepted; ``.result`` holds the :class:`GenerationResult` after."""
+        return TextStream(self, self.encode(prompt, chat=chat), max_new_tokens or self.config.max_new_tokens)
+
+    # -- the loop --------------------------------------------------------------------------------------------------
+    def decode(self, prompt_ids: list[int], max_new_tokens: int) -> Generator[list[int], None, GenerationResult]:
+        """Yield the tokens each round emits; return the :class:`GenerationResult`."""
+        self._check_fits(len(prompt_ids), max_new_tokens)
+        backend, drafter = self.backend, self.drafter
+        eos = backend.eos_token_ids
+        started = time.perf_counter()
+        backend.reset()
+        if drafter is not None:
+            drafter.reset()
+
+        # 0. prefill: M[:l] then M[l:] over the prompt; the first token is the target's own.
+        tokens = list(prompt_ids)
+        h_prompt = backend.shallow(tokens)
+        first = self.verifier.verify([], backend.deep(h_prompt)[-1:])
+        unseen = h_prompt
+        output = [first.next_token]
+        yield list(output)
+        rounds: list[RoundResult] = []
+
+        while output[-1] not in eos and len(output) < max_new_tokens:
+            tokens = list(prompt_ids) + output
+            budget = max_new_tokens - len(output)
+            max_drafts = min(self.config.gamma, budget - 1) if drafter is not None else 0
+            t0 = time.perf_counter()
+
+            # 1. first early exit for x_n: its layer-l state starts this round's saved states.
+            h_last = backend.shallow(tokens[-1:])
+            saved = [h_last]
+            unseen = torch.cat([unseen, h_last]) if drafter is not None else unseen
+
+            # 2. draft_tokens: adapter + shared head, until the policy (second early exit) or gamma stops us.
+            drafts, unseen = self.draft_tokens(tokens, unseen, saved, max_drafts)
+            t1 = time.perf_counter()
+
+            # 3. target_logits: one pass of M[l:] over the saved layer-l states of x_n, d_1..d_k.
+            target_logits = backend.deep(torch.cat(saved))  # [k+1, V]
+            verdict: Verdict = self.verifier.verify(drafts, target_logits)
+            m = verdict.accepted
+
+            # 4. accept: d_1..d_m + the target's token, cut at EOS and at the token budget.
+            emitted = [d.token for d in drafts[:m]] + [verdict.next_token]
+            for i, token in enumerate(emitted):
+                if token in eos:
+                    emitted = emitted[: i + 1]
+                    break
+            emitted = emitted[:budget]
+
+            # 5. roll back the caches to x_n, d_1..d_m (the next round starts with the target's token).
+            accepted_len = len(tokens) + m
+            backend.crop(accepted_len)
+            unseen = self._rollback_drafter(unseen, len(tokens) + len(drafts), accepted_len)
+            t2 = time.perf_counter()
+
+            output.extend(emitted)
+            rounds.append(RoundResult(len(drafts), m, len(emitted), t1 - t0, t2 - t1))
+            yield emitted
+
+        text = backend.tokenizer.decode(output, skip_special_tokens=True)
+        return GenerationResult(
+            text=text,
+            token_ids=output,
+            prompt_tokens=len(prompt_ids),
+            rounds=rounds,
+            seconds=time.perf_counter() - started,
+            gamma=self.config.gamma,
+            stopped_on_eos=output[-1] in eos,
+        )
+
+    def draft_tokens(
+        self, tokens: list[int], unseen: torch.Tensor, saved: list[torch.Tensor], max_drafts: int
+    ) -> tuple[list[DraftStep], torch.Tensor]:
+        """Propose up to ``max_drafts`` tokens; append each draft's layer-l state to ``saved``.
+
+        Returns the drafts and the states the drafter has still not seen (h(d_k) after the last draft).
+        """
+        drafts: list[DraftStep] = []
+        if max_drafts == 0:
+            return drafts, unseen
+        self.policy.begin_round()
+        sequence = list(tokens)
+        while len(drafts) < max_drafts:
+            logits = self.drafter.advance(sequence, unseen)
+            unseen = unseen[:0]
+            if logits is None:
+                break
+            probs = torch.softmax(logits.float(), dim=-1)
+            confidence, token = probs.max(dim=-1)
+            step = DraftStep(index=len(drafts) + 1, token=int(token), probs=probs, confidence=float(confidence))
+            drafts.append(step)
+            sequence.append(step.token)
+            # the draft's layer-l state: needed to verify it, and by the drafter if we continue
+            h = self.backend.shallow([step.token])
+            saved.append(h)
+            unseen = h
+            if not self.policy.keep_drafting(step):
+                break
+        return drafts, unseen
+
+    def _rollback_drafter(self, unseen: torch.Tensor, shallow_end: int, accepted_len: int) -> torch.Tensor:
+        """Forget the drafter's positions past ``accepted_len``; keep the unseen states of accepted positions."""
+        if self.drafter is None:
+            return unseen
+        drafter_len = shallow_end - unseen.shape[0]  # the drafter has seen every shallow position but `unseen`
+        if drafter_len > accepted_len:
+            self.drafter.crop(accepted_len)
+            return unseen[:0]
+        return unseen[: accepted_len - drafter_len]
+
+
+class TextStream(Iterator[str]):
+    """Text pieces of one generation, decoded incrementally (never splitting a multi-byte character)."""
+
+    def __init__(self, engine: Engine, prompt_ids: list[int], max_new_tokens: int):
+        self._tokens: list[int] = []
+        self._text = ""
+        self._tokenizer = engine.backend.tokenizer
+        self._loop = engine.decode(prompt_ids, max_new_tokens)
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> "TextStream":
+        return self
+
+    def __next__(self) -> str:
+        while True:
+            try:
+                new = next(self._loop)
+            except StopIteration as stop:
+                self.result = stop.value
+                tail = self.result.text[len(self._text):] if self.result.text.startswith(self._text) else ""
+                if tail:
+                    self._text += tail
+                    return tail
+                raise
+            self._tokens.extend(new)
+            text = self._tokenizer.decode(self._tokens, skip_special_tokens=True)
+            if text.endswith("\ufffd") or not text.startswith(self._text):
+                continue  # an incomplete character: wait for the next tokens
+            piece, self._text = text[len(self._text):], text
+            if piece:
+                return piece

@@ -1,0 +1,117 @@
+"""Per-step, per-round and per-generation results (attrs value objects)."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+
+@attrs.frozen
+class DraftStep:
+    """One token proposed by the drafter, shown to the stopping policy.
+
+    Attributes:
+        index: 1-based position of this draft in the round.
+        token: the proposed token id (the drafter's top-1 under greedy drafting).
+        probs: the drafter's next-token distribution, shape [vocab].
+        confidence: the drafter's top-1 probability, ``probs.max()``.
+    """
+
+    index: int
+    token: int
+    probs: torch.Tensor = attrs.field(eq=False, repr=False)
+    confidence: float
+
+
+@attrs.frozen
+class Verdict:
+    """What the verifier decided for one round.
+
+    Attributes:
+        accepted: how many draft tokens (a prefix) the target accepts, 0..k.
+        next_token: the target's own token after the accepted prefix (a correction, or a bonus token when all k
+            drafts were accepted).
+    """
+
+    accepted: int
+    next_token: int
+
+
+@attrs.frozen
+class RoundResult:
+    """Statistics of one draft → stop → verify round."""
+
+    drafted: int
+    accepted: int
+    emitted: int  # tokens appended to the output this round (accepted + 1, fewer at EOS or the token budget)
+    draft_seconds: float
+    verify_seconds: float
+
+
+@attrs.frozen
+class GenerationResult:
+    """The outcome of one ``Engine.generate`` call.
+
+    ``rounds`` are the verification passes after the prefill (the prefill's first token is not a round).
+    ``mean_accepted_tokens`` is the paper's compression rate CR: tokens emitted per verification pass
+    (accepted drafts + the target's own token). ``ctar[w-1]`` is CTAR(w): the share of rounds whose first w drafts
+    were all accepted, for w = 1..gamma.
+    """
+
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    rounds: list[RoundResult]
+    seconds: float
+    gamma: int
+    stopped_on_eos: bool
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_rounds(self) -> int:
+        return len(self.rounds)
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        return sum(r.emitted for r in self.rounds) / self.num_rounds if self.rounds else 0.0
+
+    @property
+    def ctar(self) -> list[float]:
+        n = self.num_rounds
+        return [sum(r.accepted >= w for r in self.rounds) / n if n else 0.0 for w in range(1, self.gamma + 1)]
+
+    @property
+    def mean_drafted(self) -> float:
+        return sum(r.drafted for r in self.rounds) / self.num_rounds if self.rounds else 0.0
+
+    @property
+    def draft_seconds(self) -> float:
+        return sum(r.draft_seconds for r in self.rounds)
+
+    @property
+    def verify_seconds(self) -> float:
+        return sum(r.verify_seconds for r in self.rounds)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "token_ids": list(self.token_ids),
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "rounds": self.num_rounds,
+            "mean_accepted_tokens": self.mean_accepted_tokens,
+            "ctar": self.ctar,
+            "mean_drafted": self.mean_drafted,
+            "seconds": self.seconds,
+            "tokens_per_second": self.tokens_per_second,
+            "draft_seconds": self.draft_seconds,
+            "verify_seconds": self.verify_seconds,
+            "stopped_on_eos": self.stopped_on_eos,
+        }

@@ -1,0 +1,1 @@
+"""Built-in drafters and verifiers of kangaroo (installed as ``kangaroo_plugins``)."""

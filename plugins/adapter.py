@@ -1,0 +1,139 @@
+"""The Kangaroo adapter: RMSNorm → one multi-head attention (base model's head geometry, RoPE) → residual → RMSNorm.
+
+Its output goes through the target's shared LM head. Files: ``adapter.safetensors`` (weights) and ``adapter.json``
+(metadata: format version, base model fingerprint, exit layer, architecture). Loading an adapter made for another
+model, exit layer or architecture raises :class:`~kangaroo_core.errors.AdapterMismatchError`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRMSNorm, LlamaRotaryEmbedding
+
+from kangaroo_backends.kv_cache import KVCache, causal_mask
+from kangaroo_core import __version__
+from kangaroo_core.errors import AdapterMismatchError
+
+FORMAT = "kangaroo-adapter"
+FORMAT_VERSION = 1
+WEIGHTS_FILE = "adapter.safetensors"
+METADATA_FILE = "adapter.json"
+
+
+def adapter_architecture(model_config) -> dict:
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+    return {
+        "type": "attention",
+        "hidden_size": model_config.hidden_size,
+        "num_attention_heads": model_config.num_attention_heads,
+        "num_key_value_heads": model_config.num_key_value_heads,
+        "head_dim": head_dim,
+        "rope_theta": getattr(model_config, "rope_theta", 10000.0),
+        "rms_norm_eps": model_config.rms_norm_eps,
+        "ffn": False,
+        "separate_head": False,
+    }
+
+
+class KangarooAdapter(nn.Module):
+    """One attention block on the target's layer-l hidden states; returns states for the shared LM head."""
+
+    def __init__(self, model_config):
+        super().__init__()
+        config = copy.deepcopy(model_config)
+        config.num_hidden_layers = 1
+        config._attn_implementation = model_config._attn_implementation or "sdpa"
+        self.config = config
+        self.input_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.attention = LlamaAttention(config, layer_idx=0)
+        self.output_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+
+    @classmethod
+    def from_base_layer(cls, model, exit_layer: int) -> "KangarooAdapter":
+        """A sensible untrained adapter: the attention and input norm of layer l, the model's final norm."""
+        adapter = cls(model.config)
+        layer = model.model.layers[exit_layer]
+        adapter.attention.load_state_dict(layer.self_attn.state_dict())
+        adapter.input_norm.load_state_dict(layer.input_layernorm.state_dict())
+        adapter.output_norm.load_state_dict(model.model.norm.state_dict())
+        return adapter.to(next(model.parameters()).dtype)
+
+    def new_cache(self) -> KVCache:
+        c = self.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return KVCache(1, c.num_key_value_heads, head_dim, next(self.parameters()).dtype)
+
+    def forward(self, hidden: torch.Tensor, start: int, cache: KVCache | None = None) -> torch.Tensor:
+        """hidden: layer-l states [1, n, d] of positions start..start+n-1 → [1, n, d] (before the LM head)."""
+        n = hidden.shape[1]
+        positions = torch.arange(start, start + n, device=hidden.device)
+        position_embeddings = self.rotary_emb(hidden, positions[None])
+        mask = causal_mask(n, start, hidden.dtype) if cache is not None else causal_mask(n, 0, hidden.dtype)
+        attended, _ = self.attention(
+            self.input_norm(hidden),
+            position_embeddings=position_embeddings,
+            attention_mask=mask,
+            past_key_values=cache,
+            cache_position=positions,
+        )
+        return self.output_norm(hidden + attended)
+
+    # -- files -----------------------------------------------------------------------------------------------------
+    def save(self, directory: str | Path, *, base_fingerprint: str, exit_layer: int, extra: dict | None = None) -> Path:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.detach().contiguous() for k, v in self.state_dict().items() if "rotary_emb" not in k}
+        save_file(tensors, directory / WEIGHTS_FILE)
+        metadata = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "kangaroo_version": __version__,
+            "base_model_fingerprint": base_fingerprint,
+            "exit_layer": exit_layer,
+            "architecture": adapter_architecture(self.config),
+            **(extra or {}),
+        }
+        (directory / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | Path, model, *, base_fingerprint: str, exit_layer: int) -> "KangarooAdapter":
+        directory = Path(directory)
+        meta_path, weights_path = directory / METADATA_FILE, directory / WEIGHTS_FILE
+        if not meta_path.is_file() or not weights_path.is_file():
+            raise AdapterMismatchError(f"{directory} is not an adapter directory (needs {METADATA_FILE} and {WEIGHTS_FILE})")
+        try:
+            meta = json.loads(meta_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise AdapterMismatchError(f"{meta_path} is not valid JSON: {exc}") from None
+        if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+            raise AdapterMismatchError(
+                f"{meta_path}: unsupported adapter format {meta.get('format')!r} v{meta.get('format_version')!r} "
+                f"(this kangaroo reads {FORMAT} v{FORMAT_VERSION})"
+            )
+        if meta.get("base_model_fingerprint") != base_fingerprint:
+            raise AdapterMismatchError(
+                f"adapter {directory} was made for base model {meta.get('base_model_fingerprint')}, "
+                f"not for the loaded model {base_fingerprint}"
+            )
+        if meta.get("exit_layer") != exit_layer:
+            raise AdapterMismatchError(
+                f"adapter {directory} was trained at exit layer {meta.get('exit_layer')}, but exit layer {exit_layer} was requested"
+            )
+        expected = adapter_architecture(model.config)
+        if meta.get("architecture") != expected:
+            raise AdapterMismatchError(f"adapter {directory} architecture {meta.get('architecture')} != expected {expected}")
+        adapter = cls(model.config).to(next(model.parameters()).dtype)
+        state = load_file(weights_path)
+        missing, unexpected = adapter.load_state_dict(state, strict=False)
+        missing = [k for k in missing if "rotary_emb" not in k]
+        if missing or unexpected:
+            raise AdapterMismatchError(f"adapter {weights_path}: missing tensors {missing}, unexpected {unexpected}")
+        return adapter

@@ -1,0 +1,1 @@
+"""Built-in stopping policies of kangaroo (installed as ``kangaroo_policies``)."""
