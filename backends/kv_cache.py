@@ -13,12 +13,12 @@ import torch
 class KVCache:
     """Keys/values for ``num_layers`` layers, shapes [1, kv_heads, capacity, head_dim]."""
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, capacity: int = 256):
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, capacity: int = 256,
+                 device: torch.device | str = "cpu"):
         self.num_layers = num_layers
-        self._shape = (1, kv_heads, capacity, head_dim)
-        self._dtype = dtype
-        self.keys = [torch.empty(self._shape, dtype=dtype) for _ in range(num_layers)]
-        self.values = [torch.empty(self._shape, dtype=dtype) for _ in range(num_layers)]
+        shape = (1, kv_heads, capacity, head_dim)
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.lengths = [0] * num_layers
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, cache_kwargs=None):
@@ -37,7 +37,7 @@ class KVCache:
             capacity *= 2
         for store in (self.keys, self.values):
             old = store[layer_idx]
-            new = torch.empty((*old.shape[:2], capacity, old.shape[-1]), dtype=old.dtype)
+            new = torch.empty((*old.shape[:2], capacity, old.shape[-1]), dtype=old.dtype, device=old.device)
             new[:, :, : self.lengths[layer_idx]] = old[:, :, : self.lengths[layer_idx]]
             store[layer_idx] = new
 
@@ -57,11 +57,11 @@ class KVCache:
         return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
 
 
-def causal_mask(query_len: int, past_len: int, dtype: torch.dtype) -> torch.Tensor | None:
+def causal_mask(query_len: int, past_len: int, dtype: torch.dtype, device=None) -> torch.Tensor | None:
     """Additive mask [1, 1, q, past+q] letting query i see keys 0..past+i; None for one query (sees all)."""
     if query_len == 1:
         return None
     total = past_len + query_len
-    blocked = torch.ones(query_len, total, dtype=torch.bool).triu(past_len + 1)
-    mask = torch.zeros(query_len, total, dtype=dtype).masked_fill(blocked, torch.finfo(dtype).min)
+    blocked = torch.ones(query_len, total, dtype=torch.bool, device=device).triu(past_len + 1)
+    mask = torch.zeros(query_len, total, dtype=dtype, device=device).masked_fill(blocked, torch.finfo(dtype).min)
     return mask[None, None]

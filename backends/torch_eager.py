@@ -30,7 +30,7 @@ def model_fingerprint(model) -> str:
     digest = hashlib.sha256(json.dumps(arch, sort_keys=True).encode())
     with torch.no_grad():
         for tensor in (model.model.embed_tokens.weight[:64], model.model.norm.weight, model.lm_head.weight[-64:]):
-            digest.update(tensor.detach().to(torch.float32).contiguous().numpy().tobytes())
+            digest.update(tensor.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
@@ -66,7 +66,7 @@ class TorchBackend(Backend):
         self.final_norm = inner.norm
         self.lm_head = model.lm_head
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.cache = KVCache(self.num_layers, config.num_key_value_heads, head_dim, self.dtype)
+        self.cache = KVCache(self.num_layers, config.num_key_value_heads, head_dim, self.dtype, device=self.device)
         self._shallow_len = 0
         self._deep_len = 0
 
@@ -98,7 +98,7 @@ class TorchBackend(Backend):
         positions = torch.arange(start, start + n, device=self.device)
         position_ids = positions[None]
         position_embeddings = self.rotary_emb(hidden, position_ids)
-        mask = causal_mask(n, start, self.dtype)
+        mask = causal_mask(n, start, self.dtype, self.device)
         for layer in layers:
             hidden = layer(
                 hidden,

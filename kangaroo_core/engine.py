@@ -119,18 +119,24 @@ class Engine:
 
     def generate_ids(self, prompt_ids: Sequence[int], max_new_tokens: int | None = None) -> GenerationResult:
         """Decode from prompt token ids (no template)."""
-        stream = TextStream(self, list(prompt_ids), max_new_tokens or self.config.max_new_tokens)
+        stream = TextStream(self, list(prompt_ids), self._budget(max_new_tokens))
         for _ in stream:
             pass
         return stream.result
 
     def stream(self, prompt: Prompt, *, chat: bool = True, max_new_tokens: int | None = None) -> "TextStream":
         """Iterate over text pieces as they are accepted; ``.result`` holds the :class:`GenerationResult` after."""
-        return TextStream(self, self.encode(prompt, chat=chat), max_new_tokens or self.config.max_new_tokens)
+        return TextStream(self, self.encode(prompt, chat=chat), self._budget(max_new_tokens))
+
+    def _budget(self, max_new_tokens: int | None) -> int:
+        if max_new_tokens is None:
+            return self.config.max_new_tokens
+        return self.config.replace(max_new_tokens=max_new_tokens).max_new_tokens  # validated like the config
 
     # -- the loop --------------------------------------------------------------------------------------------------
     def decode(self, prompt_ids: list[int], max_new_tokens: int) -> Generator[list[int], None, GenerationResult]:
         """Yield the tokens each round emits; return the :class:`GenerationResult`."""
+        self._budget(max_new_tokens)
         self._check_fits(len(prompt_ids), max_new_tokens)
         backend, drafter = self.backend, self.drafter
         eos = backend.eos_token_ids

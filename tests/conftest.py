@@ -1,0 +1,68 @@
+"""Shared fixtures: a tiny random Llama saved as a real HF directory (for CLI/API tests; never for claims)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# Keep test runs off the user's real cache and make threads predictable on the 2-core CI machine.
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+WORDS = (
+    "the a an sky sea is blue green red why how what because light sun water cold warm day night cat dog runs "
+    "jumps over under and or not very small big old new one two three four five six seven eight nine ten "
+    "hello world poem write explain tell me about story time once upon there was"
+).split()
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
+)
+
+
+def make_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
+    vocab = {tok: i for i, tok in enumerate(specials + WORDS + ["assistant", "user", "system"])}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    from tokenizers import decoders
+
+    backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", bos_token="<|im_start|>", eos_token="<|im_end|>"
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def save_tiny_model(directory: Path, *, seed: int = 0, layers: int = 4, hidden: int = 32, max_positions: int = 128,
+                    dtype=torch.float32) -> Path:
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tok = make_tokenizer()
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config).to(dtype)
+    model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    model.save_pretrained(directory, safe_serialization=True)
+    tok.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def other_tiny_model_dir(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("other-tiny-llama"), seed=1)

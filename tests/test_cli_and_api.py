@@ -1,0 +1,159 @@
+"""CLI and Python API on a tiny random Llama directory (fast), including every user-error path."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kangaroo_core.cli import main
+from kangaroo_core.config import DecodeConfig
+from kangaroo_core.engine import Engine
+from kangaroo_core.errors import AdapterMismatchError, PromptError
+from kangaroo_plugins.adapter import KangarooAdapter
+
+PROMPT = "tell me a story about the sea"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return Engine.build(str(tiny_model_dir), config=DecodeConfig(exit_layer=2, max_new_tokens=12, eta=0.0, gamma=3))
+
+
+def run_cli(args, capsys):
+    code = main(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_json_matches_transformers_greedy(tiny_model_dir, engine, capsys):
+    code, out, err = run_cli(["generate", PROMPT, "--model", str(tiny_model_dir), "--max-new-tokens", "12",
+                              "--eta", "0", "--gamma", "3", "--json"], capsys)
+    assert code == 0, err
+    payload = json.loads(out)
+    for key in ("text", "token_ids", "new_tokens", "rounds", "mean_accepted_tokens", "ctar", "seconds"):
+        assert key in payload
+    ids = engine.encode(PROMPT)
+    reference = engine.backend.model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):]
+    assert payload["token_ids"] == reference.tolist()
+    assert payload["new_tokens"] == len(payload["token_ids"])
+    assert len(payload["ctar"]) == 3
+
+
+def test_generate_streams_text_and_prints_stats(tiny_model_dir, capsys):
+    code, out, err = run_cli(["generate", PROMPT, "--model", str(tiny_model_dir), "--max-new-tokens", "8"], capsys)
+    assert code == 0, err
+    assert out.strip()
+    assert err.startswith("[kangaroo] ") and "CTAR(1..6)" in err and "verify passes" in err
+
+
+def test_compare_reports_speedup_and_identity(tiny_model_dir, capsys):
+    code, out, err = run_cli(["generate", PROMPT, "--model", str(tiny_model_dir), "--max-new-tokens", "8",
+                              "--compare", "--json"], capsys)
+    assert code == 0, err
+    payload = json.loads(out)
+    assert payload["identical_to_vanilla"] is True
+    assert payload["speedup"] > 0
+
+
+def test_vanilla_flag_drafts_nothing(tiny_model_dir, capsys):
+    code, out, err = run_cli(["generate", PROMPT, "--model", str(tiny_model_dir), "--max-new-tokens", "6",
+                              "--vanilla", "--json"], capsys)
+    assert code == 0, err
+    payload = json.loads(out)
+    assert payload["mean_drafted"] == 0 and payload["new_tokens"] == 6
+
+
+def test_stream_pieces_concatenate_to_the_text(engine):
+    stream = engine.stream(PROMPT)
+    pieces = list(stream)
+    assert "".join(pieces) == stream.result.text
+    assert stream.result.new_tokens == 12
+
+
+def test_exact_max_new_tokens_without_eos(tiny_model_dir):
+    # no EOS in the generation config: generation must run to exactly max_new_tokens, for any budget
+    eng = Engine.build(str(tiny_model_dir), config=DecodeConfig(exit_layer=1, eta=0.0, gamma=6))
+    eng.backend.eos_token_ids = frozenset()
+    for n in (1, 2, 5, 7, 13):
+        assert eng.generate(PROMPT, max_new_tokens=n).new_tokens == n
+
+
+def adapter_dir(tmp_path, engine, exit_layer=2):
+    adapter = KangarooAdapter.from_base_layer(engine.backend.model, exit_layer)
+    return adapter.save(tmp_path / "adapter", base_fingerprint=engine.backend.fingerprint, exit_layer=exit_layer)
+
+
+def test_adapter_file_round_trip(tmp_path, engine, tiny_model_dir):
+    path = adapter_dir(tmp_path, engine)
+    meta = json.loads((path / "adapter.json").read_text())
+    assert meta["exit_layer"] == 2 and meta["base_model_fingerprint"] == engine.backend.fingerprint
+    loaded = KangarooAdapter.load(path, engine.backend.model, base_fingerprint=engine.backend.fingerprint, exit_layer=2)
+    fresh = KangarooAdapter.from_base_layer(engine.backend.model, 2)
+    for (name, a), (_, b) in zip(loaded.state_dict().items(), fresh.state_dict().items()):
+        assert torch.equal(a, b), name
+    with_adapter = Engine.build(str(tiny_model_dir), config=engine.config, adapter=str(path))
+    assert with_adapter.generate(PROMPT).token_ids == engine.generate(PROMPT).token_ids
+
+
+def test_adapter_for_another_layer_or_model_is_refused(tmp_path, engine, other_tiny_model_dir):
+    path = adapter_dir(tmp_path, engine)
+    with pytest.raises(AdapterMismatchError, match="exit layer 2, but exit layer 1 was requested"):
+        KangarooAdapter.load(path, engine.backend.model, base_fingerprint=engine.backend.fingerprint, exit_layer=1)
+    with pytest.raises(AdapterMismatchError, match="was made for base model"):
+        Engine.build(str(other_tiny_model_dir), config=engine.config, adapter=str(path))
+
+
+def test_prompt_errors(engine):
+    with pytest.raises(PromptError, match="empty"):
+        engine.generate("   ")
+    with pytest.raises(PromptError, match="exceeds the model's context of 128 tokens"):
+        engine.generate(" ".join(["sea"] * 200))
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", ""], "the prompt is empty"),
+        (["generate", "hi", "--eta", "1.5"], "eta must be in [0, 1], got 1.5"),
+        (["generate", "hi", "--gamma", "0"], "gamma must be an integer >= 1, got 0"),
+        (["generate", "hi", "--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1, got 0"),
+        (["generate", "hi", "--policy", "nope"], "unknown policy 'nope'; known policy plugins: threshold"),
+        (["generate", "hi", "--drafter", "nope"], "unknown drafter 'nope'"),
+        (["generate", "hi", "--backend", "nope"], "unknown backend 'nope'"),
+        (["generate", "hi", "--model", "/does/not/exist"], "model path does not exist: /does/not/exist"),
+        (["generate", "hi", "--eta", "abc"], "'abc' is not a valid float"),
+        (["generate", "hi", "--vanilla", "--compare"], "--vanilla and --compare exclude each other"),
+        (["generate"], "Missing argument 'PROMPT'"),
+    ],
+)
+def test_cli_user_errors_are_one_line(args, message, capsys):
+    code, out, err = run_cli(args, capsys)
+    assert code != 0
+    assert err.count("\n") == 1 and err.startswith("kangaroo: error: ") and message in err, err
+
+
+def test_cli_model_and_adapter_errors(tmp_path, engine, tiny_model_dir, other_tiny_model_dir, capsys):
+    path = adapter_dir(tmp_path, engine)
+    long_prompt = " ".join(["sea"] * 200)
+    cases = [
+        (["--model", str(tiny_model_dir), long_prompt], "exceeds the model's context"),
+        (["--model", str(tiny_model_dir), "--exit-layer", "4", "hi"], "exit_layer must be in [1, 3]"),
+        (["--model", str(tiny_model_dir), "--adapter", str(tmp_path / "missing"), "hi"], "is not an adapter directory"),
+        (["--model", str(other_tiny_model_dir), "--adapter", str(path), "hi"], "was made for base model"),
+        (["--model", str(tiny_model_dir), "--adapter", str(path), "--exit-layer", "1", "hi"], "trained at exit layer 2"),
+        (["--model", str(tiny_model_dir / "config.json"), "hi"], "not a .gguf file"),
+        (["--model", str(tmp_path), "hi"], "not a HF model directory"),
+    ]
+    for args, message in cases:
+        code, out, err = run_cli(["generate", *args], capsys)
+        assert code == 1 and err.count("\n") == 1 and message in err, (args, err)
+
+
+def test_console_script_prints_no_traceback():
+    proc = subprocess.run([sys.executable, "-m", "kangaroo_core.cli", "generate", "hi", "--eta", "7"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == "kangaroo: error: eta must be in [0, 1], got 7.0"
+    assert "Traceback" not in proc.stderr
