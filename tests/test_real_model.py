@@ -99,3 +99,26 @@ def test_greedy_identity_with_transformers(smollm, references, combo_index):
     assert_identical_or_near_tie(model, prompt_ids, reference, result.token_ids, backend.eos_token_ids,
                                  f"eta={eta} gamma={gamma} l={exit_layer} prompt={prompt!r}")
     assert result.num_rounds >= 1 and 1.0 <= result.mean_accepted_tokens <= gamma + 1
+
+
+@pytest.mark.parametrize("exit_layer", (1, 2, 4))
+def test_many_accepted_drafts_on_the_real_model(smollm, references, exit_layer):
+    """With drafts that are mostly right (the target's own continuation, wrong at random places), verification
+    really checks up to gamma positions per pass and the phase-5 reuse runs; output must still be the target's."""
+    import random
+
+    from tiny import ScriptedDrafter, error_positions
+
+    model, tokenizer, name = smollm
+    backend = TorchBackend(model, tokenizer, exit_layer, name)
+    rng = random.Random(exit_layer)
+    for prompt in PROMPTS[exit_layer::4]:
+        prompt_ids, reference = references[prompt]
+        wrong = error_positions(rng, len(prompt_ids), len(prompt_ids) + len(reference), 0.15)
+        drafter = ScriptedDrafter(prompt_ids + reference, backend.vocab_size, wrong_at=wrong, confidence=0.9)
+        config = DecodeConfig(eta=0.0, gamma=6, exit_layer=exit_layer, max_new_tokens=NEW_TOKENS)
+        engine = Engine(backend, drafter, ThresholdPolicy(eta=0.0), GreedyVerifier(), config)
+        result = engine.generate_ids(prompt_ids)
+        assert_identical_or_near_tie(model, prompt_ids, reference, result.token_ids, backend.eos_token_ids,
+                                     f"scripted l={exit_layer} prompt={prompt!r}")
+        assert result.mean_accepted_tokens > 2.0  # most drafts were accepted, so multi-position verify really ran
