@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from kangaroo_core.config import DecodeConfig
+from kangaroo_core.config import ConfigError, DecodeConfig
 from kangaroo_core.errors import PromptError
 from kangaroo_core.interfaces import Backend, SelfDrafter, StoppingPolicy, Verifier
 from kangaroo_core.plugins import get_registry
@@ -55,7 +55,7 @@ class Engine:
         config: DecodeConfig = DecodeConfig(),
     ):
         if backend.exit_layer != config.exit_layer:
-            raise ValueError(f"backend split at layer {backend.exit_layer} but config.exit_layer={config.exit_layer}")
+            raise ConfigError(f"exit_layer: backend is split at layer {backend.exit_layer} but config.exit_layer={config.exit_layer}")
         self.backend, self.drafter, self.policy, self.verifier, self.config = backend, drafter, policy, verifier, config
         if drafter is not None:
             drafter.bind(backend)
