@@ -8,8 +8,11 @@ Every implementation, built-in or third-party, is a plugin found through the ``k
 
 __version__ = "0.1.0"
 
-from kangaroo_core.config import DecodeConfig  # noqa: E402
+from kangaroo_core.config import DecodeConfig, SamplingConfig  # noqa: E402
 from kangaroo_core.errors import KangarooError  # noqa: E402
 from kangaroo_core.results import DraftStep, GenerationResult, RoundResult, Verdict  # noqa: E402
 
-__all__ = ["DecodeConfig", "DraftStep", "GenerationResult", "KangarooError", "RoundResult", "Verdict", "__version__"]
+__all__ = [
+    "DecodeConfig", "DraftStep", "GenerationResult", "KangarooError", "RoundResult", "SamplingConfig", "Verdict",
+    "__version__",
+]

@@ -10,6 +10,9 @@ Glossary (shapes for one sequence, batch size 1):
     m            accepted drafts (0..k); the round emits d_1..d_m and one target token.
     unseen       layer-l states the drafter has not consumed yet; when all k drafts are accepted it holds h(d_k),
                  computed while drafting and reused by the next round (paper phase 5).
+    q            the proposal: the distribution each draft was drawn from (a point mass on the drafter's top-1
+                 under greedy drafting; the drafter's processed distribution under sampled drafting).
+    generator    one CPU torch.Generator per generation, seeded from SamplingConfig.seed; every random draw uses it.
 """
 
 from __future__ import annotations
@@ -25,8 +28,14 @@ from kangaroo_core.errors import PromptError
 from kangaroo_core.interfaces import Backend, SelfDrafter, StoppingPolicy, Verifier
 from kangaroo_core.plugins import get_registry
 from kangaroo_core.results import DraftStep, GenerationResult, RoundResult, Verdict
+from kangaroo_core.sampling import draw, make_generator, target_probs
 
 Prompt = str | Sequence[dict[str, str]]
+
+
+def default_verifier(config: DecodeConfig) -> str:
+    """What ``verifier="auto"`` means: greedy at temperature 0, speculative sampling otherwise."""
+    return "greedy" if config.sampling.greedy else "speculative"
 
 
 def _resolve(kind: str, piece: Any, config: DecodeConfig, options: dict | None):
@@ -56,6 +65,11 @@ class Engine:
     ):
         if backend.exit_layer != config.exit_layer:
             raise ConfigError(f"exit_layer: backend is split at layer {backend.exit_layer} but config.exit_layer={config.exit_layer}")
+        if not config.sampling.greedy and not verifier.samples:
+            raise ConfigError(
+                f"the {verifier.name or type(verifier).__name__} verifier is only lossless at temperature 0, got "
+                f"temperature={config.sampling.temperature}; use the speculative verifier (or auto)"
+            )
         self.backend, self.drafter, self.policy, self.verifier, self.config = backend, drafter, policy, verifier, config
         if drafter is not None:
             drafter.bind(backend)
@@ -69,14 +83,19 @@ class Engine:
         backend: str | Backend = "torch",
         drafter: str | SelfDrafter | None = "kangaroo",
         policy: str | StoppingPolicy = "threshold",
-        verifier: str | Verifier = "greedy",
+        verifier: str | Verifier = "auto",
         adapter: str | None = None,
         backend_options: dict | None = None,
         drafter_options: dict | None = None,
         policy_options: dict | None = None,
         verifier_options: dict | None = None,
     ) -> "Engine":
-        """Resolve every piece (plugin name or object) once and load the model."""
+        """Resolve every piece (plugin name or object) once and load the model.
+
+        ``verifier="auto"`` is greedy at temperature 0 and speculative sampling otherwise.
+        """
+        if verifier == "auto":
+            verifier = default_verifier(config)
         if isinstance(drafter, str) and adapter is not None:
             drafter_options = {**(drafter_options or {}), "adapter": adapter}
         policy_obj = _resolve("policy", policy, config, policy_options)
@@ -144,6 +163,8 @@ class Engine:
         backend.reset()
         if drafter is not None:
             drafter.reset()
+        generator = make_generator(self.config.sampling.seed)
+        self.verifier.begin(generator)
 
         # 0. prefill: M[:l] then M[l:] over the prompt; the first token is the target's own.
         tokens = list(prompt_ids)
@@ -166,7 +187,7 @@ class Engine:
             unseen = torch.cat([unseen, h_last]) if drafter is not None else unseen
 
             # 2. draft_tokens: adapter + shared head, until the policy (second early exit) or gamma stops us.
-            drafts, unseen = self.draft_tokens(tokens, unseen, saved, max_drafts)
+            drafts, unseen = self.draft_tokens(tokens, unseen, saved, max_drafts, generator)
             t1 = time.perf_counter()
 
             # 3. target_logits: one pass of M[l:] over the saved layer-l states of x_n, d_1..d_k.
@@ -204,16 +225,27 @@ class Engine:
         )
 
     def draft_tokens(
-        self, tokens: list[int], unseen: torch.Tensor, saved: list[torch.Tensor], max_drafts: int
+        self,
+        tokens: list[int],
+        unseen: torch.Tensor,
+        saved: list[torch.Tensor],
+        max_drafts: int,
+        generator: torch.Generator | None = None,
     ) -> tuple[list[DraftStep], torch.Tensor]:
         """Propose up to ``max_drafts`` tokens; append each draft's layer-l state to ``saved``.
 
+        Each draft is the drafter's top-1 (greedy drafting: q is a point mass), or, with
+        ``SamplingConfig.sample_drafts`` at temperature > 0, a draw from its processed distribution q.
         Returns the drafts and the states the drafter has still not seen (h(d_k) after the last draft).
         """
         drafts: list[DraftStep] = []
         if max_drafts == 0:
             return drafts, unseen
         self.policy.begin_round()
+        sampling = self.config.sampling
+        sample_drafts = sampling.sample_drafts and not sampling.greedy
+        if sample_drafts and generator is None:
+            generator = make_generator(sampling.seed)
         sequence = list(tokens)
         while len(drafts) < max_drafts:
             logits = self.drafter.advance(sequence, unseen)
@@ -222,7 +254,11 @@ class Engine:
                 break
             probs = torch.softmax(logits.float(), dim=-1)
             confidence, token = probs.max(dim=-1)
-            step = DraftStep(index=len(drafts) + 1, token=int(token), probs=probs, confidence=float(confidence))
+            proposal = target_probs(logits, sampling) if sample_drafts else None  # q; None: point mass on the top-1
+            if proposal is not None:
+                token = draw(proposal, generator)
+            step = DraftStep(index=len(drafts) + 1, token=int(token), probs=probs, confidence=float(confidence),
+                             proposal=proposal)
             drafts.append(step)
             sequence.append(step.token)
             # the draft's layer-l state: needed to verify it, and by the drafter if we continue

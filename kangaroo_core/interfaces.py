@@ -143,10 +143,15 @@ class Verifier(abc.ABC):
     """Decides how many drafts the target accepts and which target token follows them."""
 
     name: str = ""
+    #: True when the verifier is lossless under sampling (temperature > 0); the engine refuses the others then.
+    samples: bool = False
 
     @classmethod
     def create(cls, config: "DecodeConfig", **options: Any) -> "Verifier":
         return cls(**options)
+
+    def begin(self, generator: torch.Generator) -> None:
+        """Called at the start of each generation with its random generator (seeded from ``SamplingConfig.seed``)."""
 
     @abc.abstractmethod
     def verify(self, drafts: Sequence["DraftStep"], target_logits: torch.Tensor) -> "Verdict":

@@ -12,15 +12,19 @@ class DraftStep:
 
     Attributes:
         index: 1-based position of this draft in the round.
-        token: the proposed token id (the drafter's top-1 under greedy drafting).
+        token: the proposed token id (the drafter's top-1 under greedy drafting, a draw from ``proposal`` under
+            sampled drafting).
         probs: the drafter's next-token distribution, shape [vocab].
         confidence: the drafter's top-1 probability, ``probs.max()``.
+        proposal: the distribution ``token`` was really drawn from, shape [vocab] (the drafter's processed
+            distribution under sampled drafting); None means a point mass on ``token`` (greedy drafting).
     """
 
     index: int
     token: int
     probs: torch.Tensor = attrs.field(eq=False, repr=False)
     confidence: float
+    proposal: torch.Tensor | None = attrs.field(default=None, eq=False, repr=False)
 
 
 @attrs.frozen

@@ -57,6 +57,31 @@ def test_compare_reports_speedup_and_identity(tiny_model_dir, capsys):
     assert payload["speedup"] > 0
 
 
+def test_sampling_json_is_reproducible(tiny_model_dir, capsys):
+    base = ["generate", PROMPT, "--model", str(tiny_model_dir), "--max-new-tokens", "10", "--temperature", "0.7",
+            "--top-p", "0.9"]
+    runs = {}
+    for name, extra in [("a", ["--seed", "1"]), ("b", ["--seed", "1"]), ("draft", ["--seed", "1", "--draft-sampling"]),
+                        ("vanilla", ["--seed", "1", "--vanilla"])]:
+        code, out, err = run_cli(base + extra + ["--json"], capsys)
+        assert code == 0, err
+        runs[name] = json.loads(out)
+    assert runs["a"]["token_ids"] == runs["b"]["token_ids"] and runs["a"]["new_tokens"] >= 1
+    assert runs["vanilla"]["method"] == "vanilla" and runs["vanilla"]["mean_drafted"] == 0
+    code, out, err = run_cli(base + ["--top-k", "5", "--seed", "1"], capsys)  # streaming: the stats still print
+    assert code == 0 and err.startswith("[kangaroo] ") and "CTAR(1..6)" in err, err
+    code, out, err = run_cli(base + ["--seed", "1", "--compare", "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["identical_to_vanilla"] is None  # sampling: same distribution, not the same draws
+
+
+def test_greedy_verifier_with_temperature_is_a_one_line_error(tiny_model_dir, capsys):
+    code, out, err = run_cli(["generate", PROMPT, "--model", str(tiny_model_dir), "--temperature", "0.7",
+                              "--verifier", "greedy"], capsys)
+    assert code == 1 and err.count("\n") == 1
+    assert "greedy verifier is only lossless at temperature 0" in err
+
+
 def test_vanilla_flag_drafts_nothing(tiny_model_dir, capsys):
     code, out, err = run_cli(["generate", PROMPT, "--model", str(tiny_model_dir), "--max-new-tokens", "6",
                               "--vanilla", "--json"], capsys)
@@ -126,6 +151,10 @@ def test_prompt_errors(engine):
         (["generate", "hi", "--eta", "abc"], "'abc' is not a valid float"),
         (["generate", "hi", "--vanilla", "--compare"], "--vanilla and --compare exclude each other"),
         (["generate"], "Missing argument 'PROMPT'"),
+        (["generate", "hi", "--top-p", "0"], "top_p must be in (0, 1], got 0.0"),
+        (["generate", "hi", "--temperature", "-1"], "temperature must be a finite number >= 0, got -1.0"),
+        (["generate", "hi", "--top-k", "-2"], "top_k must be an integer >= 0, got -2"),
+        (["generate", "hi", "--seed", "x"], "'x' is not a valid integer"),
     ],
 )
 def test_cli_user_errors_are_one_line(args, message, capsys):
