@@ -58,6 +58,15 @@ def save_tiny_model(directory: Path, *, seed: int = 0, layers: int = 4, hidden: 
     return directory
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models: intra-op threads only add synchronisation overhead (milliseconds per op on a busy 2-core box)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"))

@@ -51,13 +51,7 @@ HEAD_GEOMETRIES = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: intra-op threads only add synchronisation overhead (milliseconds per op on a busy 2-core box)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # -- instrumentation --------------------------------------------------------------------------------------------------

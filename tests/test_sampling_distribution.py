@@ -32,12 +32,7 @@ VOCAB, PROMPT, TOKENS = 5, [1, 2, 3, 4], 3
 SAMPLING = SamplingConfig(temperature=1.3, top_k=4, top_p=0.95)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -25,12 +25,7 @@ SETTINGS = settings(max_examples=25, deadline=None, derandomize=True, database=N
                     suppress_health_check=[HealthCheck.too_slow])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_engine(backend, drafter, sampling: SamplingConfig, eta=0.3, gamma=3, n=12) -> Engine:
