@@ -123,6 +123,49 @@ def _compare(engine, prompt: str, chat: bool, as_json: bool) -> None:
     _eprint(f"[compare] speedup {speedup:.2f}x vs vanilla · output identical to vanilla: {same}")
 
 
+@cli.command("train-adapter")
+@click.option("--out", "out_dir", required=True, help="Output adapter directory (+ training_report.json, training_curves.png).")
+@click.option("--model", default=None, help="Local HF model directory or GGUF file (default: SmolLM2-135M-Instruct).")
+@click.option("--prompts", "prompts_file", default="../shared/data/train_prompts.jsonl", show_default=True,
+              help="JSONL prompts ({id, prompt, category}) or ShareGPT-style conversations. Never Spec-Bench.")
+@click.option("--work-dir", default=None, help="Resumable work directory (default: under the kangaroo cache).")
+@click.option("--exit-layer", type=int, default=2, show_default=True)
+@click.option("--num-prompts", type=int, default=640, show_default=True)
+@click.option("--heldout-prompts", type=int, default=64, show_default=True, help="Prompts held out for evaluation.")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Answer length for self-distillation.")
+@click.option("--generation-batch-size", type=int, default=16, show_default=True)
+@click.option("--top-k", type=int, default=32, show_default=True, help="Soft-label entries kept per token.")
+@click.option("--epochs", type=int, default=4, show_default=True)
+@click.option("--batch-size", type=int, default=8, show_default=True)
+@click.option("--lr", type=float, default=1e-3, show_default=True)
+@click.option("--ffn", is_flag=True, help="Ablation: add an FFN block to the adapter.")
+@click.option("--separate-head", is_flag=True, help="Ablation: own LM head instead of the shared one.")
+@click.option("--record-layers", default="", help="Also record these layers' states (e.g. 1,3,4) for an exit-layer sweep on the same data.")
+@click.option("--seed", type=int, default=0, show_default=True)
+def train_adapter_command(out_dir, model, prompts_file, work_dir, exit_layer, num_prompts, heldout_prompts, max_new_tokens,
+                          generation_batch_size, top_k, epochs, batch_size, lr, ffn, separate_head, record_layers, seed) -> None:
+    """Train a Kangaroo adapter by self-distillation (resumable; progress bars with ETA)."""
+    from kangaroo_backends.loading import cache_dir
+    from kangaroo_backends.torch_eager import TorchBackend
+    from kangaroo_plugins.train import TrainConfig, train_adapter
+
+    try:
+        layers = tuple(int(x) for x in record_layers.split(",") if x.strip())
+    except ValueError:
+        raise click.BadParameter(f"--record-layers must be comma-separated integers, got {record_layers!r}") from None
+    config = TrainConfig(exit_layer=exit_layer, num_prompts=num_prompts, heldout_prompts=heldout_prompts,
+                         max_new_tokens=max_new_tokens, generation_batch_size=generation_batch_size, top_k=top_k,
+                         epochs=epochs, batch_size=batch_size, lr=lr, ffn=ffn, separate_head=separate_head,
+                         record_layers=layers, seed=seed)
+    backend = TorchBackend.create(DecodeConfig(exit_layer=exit_layer), model=model)
+    work = work_dir or cache_dir() / "train" / backend.fingerprint
+    _eprint(f"kangaroo: work directory {work} (re-run the same command to resume)")
+    report = train_adapter(backend, prompts_file, work, out_dir, config, command_line=" ".join(["kangaroo", *sys.argv[1:]]), log=_eprint)
+    final = report["final"]
+    _eprint(f"kangaroo: adapter written to {out_dir}: held-out top-1 agreement {final['top1_agreement']:.3f}, "
+            f"CR {final['cr']:.2f} (eta={config.eta}, gamma={config.gamma})")
+
+
 @cli.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def plugins(as_json: bool) -> None:

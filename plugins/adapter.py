@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from kangaroo_backends.kv_cache import KVCache, causal_mask
 from kangaroo_core import __version__
@@ -26,7 +26,7 @@ WEIGHTS_FILE = "adapter.safetensors"
 METADATA_FILE = "adapter.json"
 
 
-def adapter_architecture(model_config) -> dict:
+def adapter_architecture(model_config, *, ffn: bool = False, separate_head: bool = False) -> dict:
     head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
     return {
         "type": "attention",
@@ -36,16 +36,21 @@ def adapter_architecture(model_config) -> dict:
         "head_dim": head_dim,
         "rope_theta": getattr(model_config, "rope_theta", 10000.0),
         "rms_norm_eps": model_config.rms_norm_eps,
-        "ffn": False,
-        "separate_head": False,
+        "ffn": ffn,
+        "separate_head": separate_head,
     }
 
 
 class KangarooAdapter(nn.Module):
-    """One attention block on the target's layer-l hidden states; returns states for the shared LM head."""
+    """One attention block on the target's layer-l hidden states; returns states for the shared LM head.
 
-    def __init__(self, model_config):
+    Ablation variants (paper Table 2): ``ffn`` adds a Llama MLP block after the attention; ``separate_head`` gives the
+    adapter its own LM head (initialised from the shared one) instead of sharing the target's.
+    """
+
+    def __init__(self, model_config, *, ffn: bool = False, separate_head: bool = False):
         super().__init__()
+        self.ffn, self.separate_head = ffn, separate_head
         config = copy.deepcopy(model_config)
         config.num_hidden_layers = 1
         config._attn_implementation = model_config._attn_implementation or "sdpa"
@@ -54,16 +59,33 @@ class KangarooAdapter(nn.Module):
         self.attention = LlamaAttention(config, layer_idx=0)
         self.output_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config)
+        if ffn:
+            self.mlp_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.mlp = LlamaMLP(config)
+        if separate_head:
+            self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @classmethod
-    def from_base_layer(cls, model, exit_layer: int) -> "KangarooAdapter":
-        """A sensible untrained adapter: the attention and input norm of layer l, the model's final norm."""
-        adapter = cls(model.config)
+    def from_base_layer(cls, model, exit_layer: int, *, ffn: bool = False, separate_head: bool = False) -> "KangarooAdapter":
+        """A sensible untrained adapter: the attention (and MLP) and norms of layer l, the model's final norm."""
+        adapter = cls(model.config, ffn=ffn, separate_head=separate_head)
         layer = model.model.layers[exit_layer]
         adapter.attention.load_state_dict(layer.self_attn.state_dict())
         adapter.input_norm.load_state_dict(layer.input_layernorm.state_dict())
         adapter.output_norm.load_state_dict(model.model.norm.state_dict())
+        if ffn:
+            adapter.mlp.load_state_dict(layer.mlp.state_dict())
+            adapter.mlp_norm.load_state_dict(layer.post_attention_layernorm.state_dict())
+        if separate_head:
+            adapter.head.weight.data.copy_(model.lm_head.weight.data)
         return adapter.to(next(model.parameters()).dtype)
+
+    def architecture(self) -> dict:
+        return adapter_architecture(self.config, ffn=self.ffn, separate_head=self.separate_head)
+
+    def logits(self, out: torch.Tensor, shared_head: nn.Module) -> torch.Tensor:
+        """Adapter output → vocabulary logits: its own head if it has one, else the target's shared head."""
+        return self.head(out) if self.separate_head else shared_head(out)
 
     def new_cache(self) -> KVCache:
         c = self.config
@@ -72,7 +94,10 @@ class KangarooAdapter(nn.Module):
         return KVCache(1, c.num_key_value_heads, head_dim, param.dtype, device=param.device)
 
     def forward(self, hidden: torch.Tensor, start: int, cache: KVCache | None = None) -> torch.Tensor:
-        """hidden: layer-l states [1, n, d] of positions start..start+n-1 → [1, n, d] (before the LM head)."""
+        """hidden: layer-l states [B, n, d] of positions start..start+n-1 → [B, n, d] (before the LM head).
+
+        Batches (training) must be right-padded: the causal mask keeps real positions away from the padding.
+        """
         n = hidden.shape[1]
         positions = torch.arange(start, start + n, device=hidden.device)
         position_embeddings = self.rotary_emb(hidden, positions[None])
@@ -84,7 +109,10 @@ class KangarooAdapter(nn.Module):
             past_key_values=cache,
             cache_position=positions,
         )
-        return self.output_norm(hidden + attended)
+        out = hidden + attended
+        if self.ffn:
+            out = out + self.mlp(self.mlp_norm(out))
+        return self.output_norm(out)
 
     # -- files -----------------------------------------------------------------------------------------------------
     def save(self, directory: str | Path, *, base_fingerprint: str, exit_layer: int, extra: dict | None = None) -> Path:
@@ -98,7 +126,7 @@ class KangarooAdapter(nn.Module):
             "kangaroo_version": __version__,
             "base_model_fingerprint": base_fingerprint,
             "exit_layer": exit_layer,
-            "architecture": adapter_architecture(self.config),
+            "architecture": self.architecture(),
             **(extra or {}),
         }
         (directory / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
@@ -128,10 +156,12 @@ class KangarooAdapter(nn.Module):
             raise AdapterMismatchError(
                 f"adapter {directory} was trained at exit layer {meta.get('exit_layer')}, but exit layer {exit_layer} was requested"
             )
-        expected = adapter_architecture(model.config)
-        if meta.get("architecture") != expected:
-            raise AdapterMismatchError(f"adapter {directory} architecture {meta.get('architecture')} != expected {expected}")
-        adapter = cls(model.config).to(next(model.parameters()).dtype)
+        arch = meta.get("architecture") or {}
+        variant = {"ffn": bool(arch.get("ffn")), "separate_head": bool(arch.get("separate_head"))}
+        expected = adapter_architecture(model.config, **variant)
+        if arch != expected:
+            raise AdapterMismatchError(f"adapter {directory} architecture {arch} does not fit this model ({expected})")
+        adapter = cls(model.config, **variant).to(next(model.parameters()).dtype)
         state = load_file(weights_path)
         missing, unexpected = adapter.load_state_dict(state, strict=False)
         missing = [k for k in missing if "rotary_emb" not in k]

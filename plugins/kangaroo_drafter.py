@@ -56,7 +56,7 @@ class KangarooDrafter(SelfDrafter):
     def advance(self, token_ids: Sequence[int], hidden: torch.Tensor) -> torch.Tensor:
         out = self.adapter(hidden[None], self.seen, self.cache)  # [1, n, d]
         self.seen += hidden.shape[0]
-        return self.lm_head(out[0, -1])  # [V]
+        return self.adapter.logits(out[0, -1], self.lm_head)  # [V]
 
     def crop(self, length: int) -> None:
         self.cache.crop(length)

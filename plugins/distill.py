@@ -1,0 +1,200 @@
+"""Self-distillation data for adapter training: the target answers prompts itself, then one forward pass per
+sequence records the adapter's inputs (layer-l hidden states) and soft labels (the target's top-K next-token
+log-probabilities).
+
+Everything is written in shards under a work directory, each shard atomically (temp file + rename), so an
+interrupted run resumes at the first missing shard without losing finished work.
+
+Shard tensors (B sequences, right-padded to T positions, K label entries):
+    input_ids      [B, T] int32   prompt + response (response ends at EOS or the token budget)
+    lengths        [B]    int32   real length of each sequence
+    prompt_lengths [B]    int32   prompt length (labels count only for response tokens)
+    hidden_l{L}    [B, T, d] fp16 output of layer L (= input of the adapter for exit layer L), one per layer
+    topk_ids       [B, T, K] int32  the target's K most likely next tokens at each position
+    topk_logprobs  [B, T, K] fp16   their log-probabilities (full-vocabulary log-softmax)
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import attrs
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from kangaroo_core.errors import KangarooError
+
+
+@attrs.frozen
+class Prompt:
+    id: str
+    messages: tuple  # tuple of (role, content)
+    category: str = ""
+
+
+def read_prompts(path: str | Path, *, warn=print) -> list[Prompt]:
+    """Prompts from JSONL: ``{"id", "prompt", "category"}`` lines or ShareGPT-style ``{"conversations": [...]}``.
+
+    Malformed lines are reported with their line number and skipped. For ShareGPT items only the first human turn
+    is used (the target writes its own answer).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise KangarooError(f"prompts file not found: {path}")
+    prompts: list[Prompt] = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+                prompts.append(_parse_prompt(item, number))
+            except (json.JSONDecodeError, ValueError, TypeError, AttributeError) as exc:
+                warn(f"{path}:{number}: skipped malformed line ({exc})")
+    if not prompts:
+        raise KangarooError(f"{path} holds no usable prompts")
+    return prompts
+
+
+def _parse_prompt(item: dict, number: int) -> Prompt:
+    if not isinstance(item, dict):
+        raise ValueError("not a JSON object")
+    if "prompt" in item:
+        text = item["prompt"]
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError("'prompt' must be a non-empty string")
+        return Prompt(str(item.get("id", number)), (("user", text),), str(item.get("category", "")))
+    conversation = item.get("conversations") or item.get("messages")
+    if isinstance(conversation, list):
+        for turn in conversation:
+            role = turn.get("from") or turn.get("role")
+            text = turn.get("value") or turn.get("content")
+            if role in ("human", "user") and isinstance(text, str) and text.strip():
+                return Prompt(str(item.get("id", number)), (("user", text),), str(item.get("category", "")))
+        raise ValueError("no user turn in the conversation")
+    raise ValueError("needs a 'prompt' string or a 'conversations' list")
+
+
+def split_prompts(prompts: Sequence[Prompt], count: int, heldout: int, seed: int) -> tuple[list[Prompt], list[Prompt]]:
+    """A seeded shuffle: the first ``heldout`` prompts are held out, the next ``count`` are for training.
+
+    The order depends only on the file and the seed, so a later run with a larger ``count`` keeps every finished
+    shard and only adds new ones.
+    """
+    order = list(prompts)
+    random.Random(seed).shuffle(order)
+    if len(order) <= heldout:
+        raise KangarooError(f"need more than {heldout} prompts to hold {heldout} out, got {len(order)}")
+    return order[heldout: heldout + count], order[:heldout]
+
+
+def _encode(tokenizer, prompt: Prompt) -> list[int]:
+    messages = [{"role": role, "content": text} for role, text in prompt.messages]
+    if tokenizer.chat_template:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    return tokenizer.encode(messages[-1]["content"])
+
+
+@torch.inference_mode()
+def generate_answers(model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int, eos_ids: set[int]) -> list[list[int]]:
+    """Greedy answers of the target for a batch of prompts (left-padded batch generate); each cut after EOS."""
+    pad = next(iter(eos_ids)) if eos_ids else 0
+    width = max(map(len, prompt_ids))
+    ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, seq in enumerate(prompt_ids):
+        ids[row, width - len(seq):] = torch.tensor(seq)
+        mask[row, width - len(seq):] = 1
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=pad, eos_token_id=sorted(eos_ids) or None)
+    answers = []
+    for row in out[:, width:].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
+        answers.append(row[:cut])
+    return answers
+
+
+@torch.inference_mode()
+def extract_features(model, sequences: list[list[int]], prompt_lengths: list[int], layers: Sequence[int], top_k: int) -> dict:
+    """One forward pass over right-padded sequences → shard tensors (see module docstring).
+
+    The LM head runs only where a label is needed (positions whose next token is a response token): on long RAG
+    prompts the full-vocabulary logits of every prompt position would cost more than the rest of the pass.
+    """
+    width = max(map(len, sequences))
+    ids = torch.zeros((len(sequences), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    select = torch.zeros_like(ids, dtype=torch.bool)
+    for row, (seq, p) in enumerate(zip(sequences, prompt_lengths)):
+        ids[row, : len(seq)] = torch.tensor(seq)
+        mask[row, : len(seq)] = 1
+        select[row, p - 1 : len(seq) - 1] = True
+    out = model.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    logprobs = torch.log_softmax(model.lm_head(out.last_hidden_state[select]).float(), dim=-1)  # [N, V]
+    top = torch.topk(logprobs, top_k, dim=-1)
+    topk_ids = torch.zeros((*ids.shape, top_k), dtype=torch.int32)
+    topk_logprobs = torch.zeros((*ids.shape, top_k), dtype=torch.float16)
+    topk_ids[select] = top.indices.to(torch.int32)
+    topk_logprobs[select] = top.values.to(torch.float16)
+    shard = {
+        "input_ids": ids.to(torch.int32),
+        "lengths": torch.tensor([len(s) for s in sequences], dtype=torch.int32),
+        "prompt_lengths": torch.tensor(prompt_lengths, dtype=torch.int32),
+        "topk_ids": topk_ids,
+        "topk_logprobs": topk_logprobs,
+    }
+    for layer in layers:
+        shard[f"hidden_l{layer}"] = out.hidden_states[layer].to(torch.float16)
+    return shard
+
+
+def shard_path(directory: Path, split: str, index: int) -> Path:
+    return directory / f"{split}-{index:05d}.safetensors"
+
+
+def build_shards(model, tokenizer, prompts: Sequence[Prompt], directory: Path, split: str, *, layers: Sequence[int],
+                 batch_size: int, max_new_tokens: int, top_k: int, eos_ids: set[int], max_prompt_tokens: int = 768) -> list[Path]:
+    """Answer and featurise ``prompts`` in shards of ``batch_size``; existing shards are kept (resume)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
+    paths = []
+    todo = [i for i in range(len(batches)) if not shard_path(directory, split, i).exists()]
+    bar = tqdm(total=len(batches), initial=len(batches) - len(todo), desc=f"self-distill {split}", unit="shard")
+    for index in range(len(batches)):
+        path = shard_path(directory, split, index)
+        paths.append(path)
+        if path.exists():
+            continue
+        prompt_ids = [_encode(tokenizer, p)[-max_prompt_tokens:] for p in batches[index]]
+        answers = generate_answers(model, tokenizer, prompt_ids, max_new_tokens, eos_ids)
+        sequences = [p + a for p, a in zip(prompt_ids, answers)]
+        shard = extract_features(model, sequences, [len(p) for p in prompt_ids], layers, top_k)
+        tmp = path.with_suffix(".tmp")
+        save_file({k: v.contiguous() for k, v in shard.items()}, tmp, metadata={"prompt_ids": json.dumps([p.id for p in batches[index]])})
+        tmp.replace(path)
+        bar.update(1)
+    bar.close()
+    return paths
+
+
+def load_shards(paths: Sequence[Path], layer: int) -> Iterator[dict]:
+    """Per-sequence records (unpadded) for one exit layer: ids, prompt_length, hidden [n, d], topk ids/logprobs."""
+    for path in paths:
+        shard = load_file(path)
+        key = f"hidden_l{layer}"
+        if key not in shard:
+            raise KangarooError(f"{path} has no layer-{layer} states (recorded: {sorted(k for k in shard if k.startswith('hidden_l'))})")
+        for row in range(shard["lengths"].shape[0]):
+            n = int(shard["lengths"][row])
+            yield {
+                "input_ids": shard["input_ids"][row, :n].long(),
+                "prompt_length": int(shard["prompt_lengths"][row]),
+                "hidden": shard[key][row, :n],
+                "topk_ids": shard["topk_ids"][row, :n].long(),
+                "topk_logprobs": shard["topk_logprobs"][row, :n],
+            }

@@ -1,0 +1,328 @@
+"""Adapter training by self-distillation (paper §3.3): soft cross-entropy between the target's next-token
+distribution and the draft's, on response tokens, with AdamW and a warm-up + cosine schedule.
+
+Pipeline (``train_adapter``), each stage resumable inside one work directory:
+    1. prompts   seeded sample of the prompt file, split train / held-out       → work/prompts.json
+    2. data      the target answers every prompt, one forward pass records
+                 layer-l states and top-K soft labels                          → work/shards/*.safetensors
+    3. train     epochs of AdamW; after each epoch the adapter, optimizer state and metrics are checkpointed
+                                                                               → work/checkpoints/epoch-NNN/
+    4. report    adapter directory + training_report.json + training_curves.png → out/
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import attrs
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from kangaroo_core.config import _positive_int, _unit_interval
+from kangaroo_core.errors import KangarooError
+from kangaroo_plugins.adapter import KangarooAdapter
+from kangaroo_plugins.distill import build_shards, load_shards, read_prompts, split_prompts
+
+
+@attrs.frozen
+class TrainConfig:
+    """Everything that determines a training run (recorded in the report)."""
+
+    exit_layer: int = attrs.field(default=2, validator=_positive_int)
+    num_prompts: int = attrs.field(default=640, validator=_positive_int)
+    heldout_prompts: int = attrs.field(default=64, validator=_positive_int)
+    max_new_tokens: int = attrs.field(default=128, validator=_positive_int)
+    generation_batch_size: int = attrs.field(default=16, validator=_positive_int)
+    top_k: int = attrs.field(default=32, validator=_positive_int)
+    epochs: int = attrs.field(default=4, validator=_positive_int)
+    batch_size: int = attrs.field(default=8, validator=_positive_int)
+    lr: float = attrs.field(default=1e-3)
+    warmup_fraction: float = attrs.field(default=0.05, validator=_unit_interval)
+    weight_decay: float = attrs.field(default=0.0)
+    grad_clip: float = attrs.field(default=1.0)
+    ffn: bool = False
+    separate_head: bool = False
+    eta: float = attrs.field(default=0.6, validator=_unit_interval)
+    gamma: int = attrs.field(default=6, validator=_positive_int)
+    seed: int = 0
+    record_layers: tuple = attrs.field(default=(), converter=tuple)  # extra layers to record for the l sweep
+
+    def layers(self) -> list[int]:
+        return sorted({self.exit_layer, *self.record_layers})
+
+
+# -- loss and metrics ------------------------------------------------------------------------------------------------
+def soft_cross_entropy(draft_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of  -Σ_k p_target(k) · log q_draft(k)  with the target's top-K renormalised.
+
+    draft_logits [N, V]; topk_ids [N, K]; topk_logprobs [N, K] (target log-probabilities) → scalar.
+    """
+    log_q = torch.log_softmax(draft_logits.float(), dim=-1)  # [N, V]
+    p = torch.softmax(topk_logprobs.float(), dim=-1)  # [N, K], renormalised over the K kept entries
+    return -(p * log_q.gather(-1, topk_ids)).sum(-1).mean()
+
+
+def simulate_greedy_rounds(correct: Sequence[bool], confidence: Sequence[float], eta: float, gamma: int,
+                           budget_limited: bool = False) -> list[int]:
+    """Accepted drafts per round of greedy Kangaroo decoding over one answer, from teacher-forced predictions.
+
+    ``correct[j]`` / ``confidence[j]``: whether the draft for response token j+1 equals it, and the draft's top-1
+    probability. On the model's own greedy answer a draft continues only while it matches, so this reproduces the
+    engine exactly: drafting stops at a mismatch, after a draft with confidence <= eta, or after gamma drafts; each
+    round then emits the accepted drafts + one target token. When the answer ended at the token budget (not at
+    EOS), the engine never drafts the budget's last token (it leaves it to the target): ``budget_limited``.
+    """
+    rounds, j, n = [], 0, len(correct)
+    while j < n:
+        accepted = 0
+        limit = n - 1 if budget_limited else n
+        while j + accepted < limit:
+            k = j + accepted
+            if not correct[k]:
+                break
+            accepted += 1
+            if confidence[k] <= eta or accepted == gamma:
+                break
+        rounds.append(accepted)
+        j += accepted + 1
+    return rounds
+
+
+def round_metrics(rounds: Sequence[int], gamma: int) -> dict:
+    n = len(rounds)
+    return {
+        "rounds": n,
+        "cr": (sum(rounds) + n) / n if n else 0.0,
+        "ctar": [sum(r >= w for r in rounds) / n if n else 0.0 for w in range(1, gamma + 1)],
+    }
+
+
+# -- batching -------------------------------------------------------------------------------------------------------
+def _batches(records: list[dict], batch_size: int, rng: random.Random | None):
+    order = list(range(len(records)))
+    if rng is not None:
+        rng.shuffle(order)
+    for i in range(0, len(order), batch_size):
+        yield [records[j] for j in order[i:i + batch_size]]
+
+
+def _collate(batch: list[dict], dtype=torch.float32):
+    width = max(r["hidden"].shape[0] for r in batch)
+    d = batch[0]["hidden"].shape[1]
+    hidden = torch.zeros(len(batch), width, d, dtype=dtype)
+    select = torch.zeros(len(batch), width, dtype=torch.bool)  # positions whose next token is a response token
+    ids, logps, targets = [], [], []
+    for row, r in enumerate(batch):
+        n, p = r["hidden"].shape[0], r["prompt_length"]
+        hidden[row, :n] = r["hidden"].to(dtype)
+        select[row, p - 1 : n - 1] = True
+        ids.append(r["topk_ids"][p - 1 : n - 1])
+        logps.append(r["topk_logprobs"][p - 1 : n - 1])
+        targets.append(r["input_ids"][p:n])
+    return hidden, select, torch.cat(ids), torch.cat(logps), torch.cat(targets)
+
+
+def _draft_logits(adapter: KangarooAdapter, head, hidden: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
+    out = adapter(hidden, 0)  # [B, T, d]
+    return adapter.logits(out[select], head)  # [N, V]
+
+
+@torch.no_grad()
+def evaluate(adapter: KangarooAdapter, head, records: list[dict], config: TrainConfig, eos_ids=frozenset()) -> dict:
+    """Held-out loss, teacher-forced top-1 agreement with the target, and exact greedy CR / CTAR(1..gamma)."""
+    adapter.eval()
+    losses, agree, total, all_rounds = [], 0, 0, []
+    for batch in _batches(records, config.batch_size, None):
+        hidden, select, topk_ids, topk_logps, targets = _collate(batch, head.weight.dtype)
+        logits = _draft_logits(adapter, head, hidden, select)
+        losses.append(float(soft_cross_entropy(logits, topk_ids, topk_logps)) * len(targets))
+        probs = torch.softmax(logits.float(), dim=-1)
+        confidence, predicted = probs.max(-1)
+        target_top1 = topk_ids[:, 0]
+        agree += int((predicted == target_top1).sum())
+        total += len(targets)
+        offset = 0
+        for r in batch:
+            n = r["hidden"].shape[0] - r["prompt_length"]
+            correct = (predicted[offset:offset + n] == targets[offset:offset + n]).tolist()
+            conf = confidence[offset:offset + n].tolist()
+            offset += n
+            # the prefill emits response token 0; drafts start with token 1
+            ended_on_budget = int(r["input_ids"][-1]) not in eos_ids
+            all_rounds += simulate_greedy_rounds(correct[1:], conf[1:], config.eta, config.gamma, ended_on_budget)
+    adapter.train()
+    return {"loss": sum(losses) / max(total, 1), "top1_agreement": agree / max(total, 1), "tokens": total,
+            **round_metrics(all_rounds, config.gamma)}
+
+
+# -- checkpoints ----------------------------------------------------------------------------------------------------
+def _save_checkpoint(directory: Path, adapter, optimizer, scheduler, history: list[dict]) -> None:
+    tmp = directory.with_suffix(".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in adapter.state_dict().items() if "rotary_emb" not in k}, tmp / "adapter.safetensors")
+    state = optimizer.state_dict()
+    tensors, meta = {}, {"param_groups": state["param_groups"], "scheduler": scheduler.state_dict(), "history": history, "state": {}}
+    for pid, entry in state["state"].items():
+        meta["state"][str(pid)] = {}
+        for name, value in entry.items():
+            if torch.is_tensor(value):
+                tensors[f"{pid}.{name}"] = value.contiguous()
+            else:
+                meta["state"][str(pid)][name] = value
+    save_file(tensors, tmp / "optimizer.safetensors")
+    (tmp / "state.json").write_text(json.dumps(meta))
+    tmp.replace(directory)
+
+
+def _load_checkpoint(directory: Path, adapter, optimizer, scheduler) -> list[dict]:
+    adapter.load_state_dict(load_file(directory / "adapter.safetensors"), strict=False)
+    meta = json.loads((directory / "state.json").read_text())
+    tensors = load_file(directory / "optimizer.safetensors")
+    state = {int(pid): dict(entries) for pid, entries in meta["state"].items()}
+    for key, value in tensors.items():
+        pid, name = key.split(".", 1)
+        state.setdefault(int(pid), {})[name] = value
+    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    scheduler.load_state_dict(meta["scheduler"])
+    return meta["history"]
+
+
+def _latest_checkpoint(root: Path) -> Path | None:
+    done = sorted(p for p in root.glob("epoch-*") if p.is_dir() and not p.name.endswith(".tmp"))
+    return done[-1] if done else None
+
+
+# -- the pipeline ---------------------------------------------------------------------------------------------------
+def train_adapter(backend, prompts_file: str | Path, work_dir: str | Path, out_dir: str | Path, config: TrainConfig,
+                  *, command_line: str = "", log=lambda m: print(m, file=sys.stderr)) -> dict:
+    """Run (or resume) the whole pipeline for ``backend``'s model; returns the training report."""
+    if not 1 <= config.exit_layer < backend.num_layers:
+        raise KangarooError(f"exit_layer must be in [1, {backend.num_layers - 1}], got {config.exit_layer}")
+    work, out = Path(work_dir), Path(out_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = backend.model, backend.tokenizer
+    torch.manual_seed(config.seed)
+    timings = {}
+
+    # 1. prompts
+    t0 = time.perf_counter()
+    plan_path = work / "prompts.json"
+    plan_key = {"prompts_file": str(Path(prompts_file).resolve()), "heldout_prompts": config.heldout_prompts, "seed": config.seed, "max_new_tokens": config.max_new_tokens,
+                "top_k": config.top_k, "layers": config.layers(), "fingerprint": backend.fingerprint,
+                "generation_batch_size": config.generation_batch_size}
+    prompts = read_prompts(prompts_file, warn=log)
+    train_prompts, heldout_prompts = split_prompts(prompts, config.num_prompts, config.heldout_prompts, config.seed)
+    if plan_path.exists() and json.loads(plan_path.read_text()).get("key") != plan_key:
+        raise KangarooError(f"{work} holds data of another configuration; use a new --work-dir")
+    plan_path.write_text(json.dumps({"key": plan_key}))
+    timings["prompts"] = time.perf_counter() - t0
+
+    # 2. data: self-distilled answers + features
+    t0 = time.perf_counter()
+    shard_kwargs = dict(layers=config.layers(), batch_size=config.generation_batch_size,
+                        max_new_tokens=config.max_new_tokens, top_k=config.top_k, eos_ids=set(backend.eos_token_ids))
+    train_paths = build_shards(model, tokenizer, train_prompts, work / "shards", "train", **shard_kwargs)
+    heldout_paths = build_shards(model, tokenizer, heldout_prompts, work / "shards", "heldout", **shard_kwargs)
+    timings["data"] = time.perf_counter() - t0
+    train_records = list(load_shards(train_paths, config.exit_layer))
+    heldout_records = list(load_shards(heldout_paths, config.exit_layer))
+    count = lambda rs: sum(r["hidden"].shape[0] for r in rs)
+    response = lambda rs: sum(r["hidden"].shape[0] - r["prompt_length"] for r in rs)
+
+    # 3. train
+    t0 = time.perf_counter()
+    head = model.lm_head
+    for p in model.parameters():
+        p.requires_grad_(False)
+    adapter = KangarooAdapter.from_base_layer(model, config.exit_layer, ffn=config.ffn, separate_head=config.separate_head)
+    adapter.train()
+    params = [p for p in adapter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
+    steps_per_epoch = math.ceil(len(train_records) / config.batch_size)
+    total_steps = steps_per_epoch * config.epochs
+    warmup = max(1, int(total_steps * config.warmup_fraction))
+    schedule = lambda step: min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, step / total_steps)))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    checkpoints = work / f"checkpoints-l{config.exit_layer}{'-ffn' if config.ffn else ''}{'-sephead' if config.separate_head else ''}"
+    checkpoints.mkdir(exist_ok=True)
+    history: list[dict] = []
+    latest = _latest_checkpoint(checkpoints)
+    if latest is not None:
+        history = _load_checkpoint(latest, adapter, optimizer, scheduler)
+        log(f"resuming after {latest.name}")
+    else:
+        history.append({"epoch": 0, "train_loss": None, **evaluate(adapter, head, heldout_records, config, backend.eos_token_ids)})
+    rng = random.Random(config.seed)
+    for _ in range(len(history) - 1):  # replay the shuffles of finished epochs so a resumed run is the same run
+        list(_batches(train_records, config.batch_size, rng))
+    for epoch in range(len(history), config.epochs + 1):
+        losses = []
+        bar = tqdm(_batches(train_records, config.batch_size, rng), total=steps_per_epoch, desc=f"epoch {epoch}/{config.epochs}", unit="batch")
+        for batch in bar:
+            hidden, select, topk_ids, topk_logps, _ = _collate(batch, head.weight.dtype)
+            loss = soft_cross_entropy(_draft_logits(adapter, head, hidden, select), topk_ids, topk_logps)
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            losses.append(loss.item())
+            bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+        metrics = evaluate(adapter, head, heldout_records, config, backend.eos_token_ids)
+        history.append({"epoch": epoch, "train_loss": sum(losses) / len(losses), **metrics})
+        log(f"epoch {epoch}: train loss {history[-1]['train_loss']:.3f}, held-out loss {metrics['loss']:.3f}, "
+            f"top-1 agreement {metrics['top1_agreement']:.3f}, CR {metrics['cr']:.3f}")
+        _save_checkpoint(checkpoints / f"epoch-{epoch:03d}", adapter, optimizer, scheduler, history)
+    timings["train"] = time.perf_counter() - t0
+
+    # 4. report
+    out.mkdir(parents=True, exist_ok=True)
+    adapter.save(out, base_fingerprint=backend.fingerprint, exit_layer=config.exit_layer,
+                 extra={"training": {"epochs": config.epochs, "heldout_top1_agreement": history[-1]["top1_agreement"],
+                                     "heldout_cr": history[-1]["cr"]}})
+    report = {
+        "command_line": command_line,
+        "config": attrs.asdict(config),
+        "model": backend.model_name,
+        "base_model_fingerprint": backend.fingerprint,
+        "data": {"train_prompts": len(train_prompts), "heldout_prompts": len(heldout_prompts),
+                 "train_tokens": count(train_records), "train_response_tokens": response(train_records),
+                 "heldout_tokens": count(heldout_records), "heldout_response_tokens": response(heldout_records)},
+        "wall_seconds": timings,
+        "history": history,
+        "final": history[-1],
+        "adapter_parameters": sum(p.numel() for p in adapter.parameters()),
+    }
+    (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot_history(history, out / "training_curves.png")
+    return report
+
+
+def plot_history(history: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = [h["epoch"] for h in history]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    train = [(h["epoch"], h["train_loss"]) for h in history if h["train_loss"] is not None]
+    if train:
+        ax1.plot(*zip(*train), marker="o", label="train")
+    ax1.plot(epochs, [h["loss"] for h in history], marker="o", label="held-out")
+    ax1.set(xlabel="epoch", ylabel="soft cross-entropy", title="loss")
+    ax1.legend()
+    ax2.plot(epochs, [h["top1_agreement"] for h in history], marker="o", label="top-1 agreement")
+    ax2.plot(epochs, [h["cr"] - 1 for h in history], marker="s", label="CR − 1 (greedy, eta, gamma)")
+    ax2.set(xlabel="epoch", title="held-out")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,188 @@
+"""Adapter training pipeline on a tiny random Llama (fast): data, resume, loss, metrics, files."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import save_tiny_model
+from kangaroo_backends.torch_eager import TorchBackend
+from kangaroo_core.config import DecodeConfig
+from kangaroo_core.engine import Engine
+from kangaroo_core.errors import AdapterMismatchError, KangarooError
+from kangaroo_plugins import distill
+from kangaroo_plugins.adapter import KangarooAdapter
+from kangaroo_plugins.greedy_verifier import GreedyVerifier
+from kangaroo_plugins.kangaroo_drafter import KangarooDrafter
+from kangaroo_plugins.train import (TrainConfig, simulate_greedy_rounds, soft_cross_entropy, train_adapter)
+from kangaroo_policies.threshold import ThresholdPolicy
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+WORDS = "the sky is blue why the sea is green tell me a story about the cat and the dog over the night".split()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("train-model"), layers=3, hidden=32, max_positions=256, dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def backend(model_dir):
+    return TorchBackend.create(DecodeConfig(exit_layer=1), model=str(model_dir), dtype="float64")
+
+
+def write_prompts(path, n=20, malformed=True):
+    import random
+
+    rng = random.Random(0)
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"id": f"p{i}", "prompt": " ".join(rng.choice(WORDS) for _ in range(5)), "category": "chat"}) + "\n")
+        if malformed:
+            f.write("{not json\n")
+            f.write(json.dumps({"id": "x", "prompt": ""}) + "\n")
+            f.write(json.dumps({"conversations": [{"from": "human", "value": "tell me about the sea"}]}) + "\n")
+    return path
+
+
+CONFIG = TrainConfig(exit_layer=1, num_prompts=16, heldout_prompts=4, max_new_tokens=12, generation_batch_size=4,
+                     top_k=8, epochs=3, batch_size=4, lr=3e-3, record_layers=(2,))
+
+
+def test_read_prompts_reports_malformed_lines_with_numbers(tmp_path):
+    warnings = []
+    prompts = distill.read_prompts(write_prompts(tmp_path / "p.jsonl"), warn=warnings.append)
+    assert len(prompts) == 21  # 20 prompts + the ShareGPT conversation
+    assert [w.split(":")[1] for w in warnings] == ["21", "22"]
+    with pytest.raises(KangarooError, match="not found"):
+        distill.read_prompts(tmp_path / "missing.jsonl")
+
+
+def test_split_is_prefix_stable():
+    prompts = [distill.Prompt(str(i), (("user", "x"),)) for i in range(50)]
+    small_train, held = distill.split_prompts(prompts, 10, 5, seed=3)
+    big_train, held2 = distill.split_prompts(prompts, 30, 5, seed=3)
+    assert held == held2 and big_train[:10] == small_train and not set(held) & set(big_train)
+
+
+def test_soft_cross_entropy_matches_a_hand_computation():
+    logits = torch.tensor([[1.0, 2.0, 0.0, -1.0]])
+    ids = torch.tensor([[1, 0]])
+    target_logp = torch.log(torch.tensor([[0.6, 0.2]]))  # renormalised to 0.75 / 0.25
+    log_q = logits - math.log(sum(math.exp(v) for v in (1.0, 2.0, 0.0, -1.0)))
+    expected = -(0.75 * float(log_q[0, 1]) + 0.25 * float(log_q[0, 0]))
+    assert float(soft_cross_entropy(logits, ids, target_logp)) == pytest.approx(expected, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "correct, confidence, eta, gamma, expected",
+    [
+        ([True] * 7, [0.9] * 7, 0.6, 6, [6]),  # gamma caps the round; the target emits token 6
+        ([True, True, False, True], [0.9, 0.5, 0.9, 0.9], 0.6, 6, [2, 1]),  # stop after a low-confidence draft
+        ([False, True, True], [0.9] * 3, 0.6, 6, [0, 2]),
+        ([True, False, True, True, True], [0.9] * 5, 0.0, 2, [1, 2]),
+        ([True] * 8, [0.9] * 8, 0.0, 3, [3, 3]),
+        ([True] * 3, [0.9] * 3, 0.0, 6, [3]),
+        ([], [], 0.6, 6, []),
+    ],
+)
+def test_simulated_rounds(correct, confidence, eta, gamma, expected):
+    assert simulate_greedy_rounds(correct, confidence, eta, gamma) == expected
+
+
+def test_simulated_rounds_leave_the_budgets_last_token_to_the_target():
+    assert simulate_greedy_rounds([True] * 3, [0.9] * 3, 0.0, 6, budget_limited=True) == [2]
+
+
+def test_pipeline_resumes_after_interruption_at_each_stage(tmp_path, backend, monkeypatch):
+    prompts = write_prompts(tmp_path / "p.jsonl", malformed=False)
+    work, out = tmp_path / "work", tmp_path / "out"
+
+    # interrupt the data stage in the middle of the second training shard
+    real = distill.generate_answers
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(distill, "generate_answers", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        train_adapter(backend, prompts, work, out, CONFIG, log=lambda m: None)
+    first = distill.shard_path(work / "shards", "train", 0)
+    assert first.exists() and not distill.shard_path(work / "shards", "train", 1).exists()
+    assert not list((work / "shards").glob("*.tmp"))
+    stamp = first.stat().st_mtime_ns
+    monkeypatch.setattr(distill, "generate_answers", real)
+
+    # interrupt training right after the epoch-2 checkpoint, then resume to epoch 3
+    from kangaroo_plugins import train as train_module
+
+    real_save = train_module._save_checkpoint
+
+    def save_then_stop(directory, *args):
+        real_save(directory, *args)
+        if directory.name == "epoch-002":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_module, "_save_checkpoint", save_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        train_adapter(backend, prompts, work, out, CONFIG, log=lambda m: None)
+    assert first.stat().st_mtime_ns == stamp  # the finished shard was kept, not redone
+    monkeypatch.setattr(train_module, "_save_checkpoint", real_save)
+    logs = []
+    resumed = train_adapter(backend, prompts, work, out, CONFIG, log=logs.append)
+    assert "resuming after epoch-002" in logs
+    assert [h["epoch"] for h in resumed["history"]] == [0, 1, 2, 3]
+
+    # an uninterrupted run in a fresh directory gives the same history (resume changes nothing)
+    fresh = train_adapter(backend, prompts, tmp_path / "work2", tmp_path / "out2", CONFIG, log=lambda m: None)
+    for a, b in zip(fresh["history"], resumed["history"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-9) and a["top1_agreement"] == b["top1_agreement"]
+
+    # outputs
+    assert resumed["history"][-1]["train_loss"] < resumed["history"][1]["train_loss"]  # loss decreases
+    assert resumed["history"][-1]["loss"] < resumed["history"][0]["loss"]
+    report = json.loads((out / "training_report.json").read_text())
+    assert report["data"]["train_prompts"] == 16 and report["data"]["train_response_tokens"] > 0
+    assert set(report["wall_seconds"]) == {"prompts", "data", "train"}
+    assert (out / "training_curves.png").stat().st_size > 1000
+    meta = json.loads((out / "adapter.json").read_text())
+    assert meta["exit_layer"] == 1 and meta["base_model_fingerprint"] == backend.fingerprint
+    KangarooAdapter.load(out, backend.model, base_fingerprint=backend.fingerprint, exit_layer=1)
+    with pytest.raises(AdapterMismatchError):
+        KangarooAdapter.load(out, backend.model, base_fingerprint=backend.fingerprint, exit_layer=2)
+
+
+def _asdict(config):
+    import attrs
+
+    return attrs.asdict(config)
+
+
+def test_simulated_cr_equals_the_real_engine(tmp_path, backend):
+    """Teacher-forced metrics determine greedy acceptance: the simulation must match the engine round for round."""
+    prompts = write_prompts(tmp_path / "p.jsonl", malformed=False)
+    config = CONFIG.__class__(**{**_asdict(CONFIG), "epochs": 1, "eta": 0.3, "gamma": 3})
+    train_adapter(backend, prompts, tmp_path / "w", tmp_path / "o", config, log=lambda m: None)
+    adapter = KangarooAdapter.load(tmp_path / "o", backend.model, base_fingerprint=backend.fingerprint, exit_layer=1)
+    records = list(distill.load_shards(sorted((tmp_path / "w" / "shards").glob("heldout-*.safetensors")), 1))
+    engine = Engine(backend, KangarooDrafter(str(tmp_path / "o")), ThresholdPolicy(eta=0.3), GreedyVerifier(),
+                    DecodeConfig(exit_layer=1, eta=0.3, gamma=3))
+    for record in records:
+        p = record["prompt_length"]
+        response = record["input_ids"][p:].tolist()
+        result = engine.generate_ids(record["input_ids"][:p].tolist(), max_new_tokens=len(response))
+        assert result.token_ids == response
+        with torch.no_grad():
+            probs = torch.softmax(adapter.logits(adapter(record["hidden"][None].double(), 0)[0], backend.lm_head), -1)
+        confidence, predicted = probs[p - 1: -1].max(-1)
+        correct = (predicted == torch.tensor(response)).tolist()
+        simulated = simulate_greedy_rounds(correct[1:], confidence.tolist()[1:], 0.3, 3, budget_limited=True)
+        assert [r.accepted for r in result.rounds] == simulated
