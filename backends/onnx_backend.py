@@ -234,6 +234,9 @@ class OnnxBackend(Backend):
             raise OnnxModelError(f"ONNX file {path} is missing; re-export with `kangaroo export-onnx` (or delete {path.parent})")
         options = ort.SessionOptions()
         options.log_severity_level = 3
+        # Three sessions take turns every few milliseconds: threads spinning after one session's run would steal
+        # the cores the next session needs, so idle threads sleep instead of spinning.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if self.threads:
             options.intra_op_num_threads = self.threads
             options.inter_op_num_threads = 1
