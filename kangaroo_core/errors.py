@@ -19,3 +19,19 @@ class AdapterMismatchError(KangarooError):
 
 class PromptError(KangarooError):
     """The prompt is empty or does not fit into the model's context."""
+
+
+class MissingDependencyError(KangarooError):
+    """An optional dependency (e.g. onnxruntime for the ONNX backend) is not installed; the message says how to install it."""
+
+
+class OnnxExportError(KangarooError):
+    """Exporting to ONNX failed, or an exported graph did not match eager PyTorch within tolerance."""
+
+
+class OnnxModelError(KangarooError):
+    """An ONNX export is missing, corrupt, made for another model / exit layer / adapter, or needs a newer runtime."""
+
+
+class ProviderError(KangarooError):
+    """The requested onnxruntime execution provider is not available."""

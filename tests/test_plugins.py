@@ -11,7 +11,7 @@ from kangaroo_core.plugins import KINDS, Registry
 from plugin_fixtures import (BROKEN_ON_IMPORT, DUPLICATE_THRESHOLD, ENTROPY_POLICY, RAISES_IN_HOOK, activate,
                              install_fake_distribution)
 
-BUILTINS = {"backend": ["torch"], "drafter": ["kangaroo"], "policy": ["threshold"], "verifier": ["greedy", "speculative"]}
+BUILTINS = {"backend": ["onnx", "torch"], "drafter": ["kangaroo"], "policy": ["threshold"], "verifier": ["greedy", "speculative"]}
 
 
 @pytest.fixture

@@ -1,0 +1,409 @@
+"""Export the Kangaroo pipeline (shallow M[:l], deep M[l:] + norm + head, adapter + head) to ONNX.
+
+Why not optimum's exporters: they export whole ``*ForCausalLM`` models (input_ids → logits); the Kangaroo loop needs
+the target split at the exit layer (the deep part takes layer-l *hidden states*, not token ids) and the adapter on its
+own, so the three sub-networks are wrapped as small ``nn.Module`` s here and exported with ``torch.onnx.export``.
+
+Graphs (``i`` runs over the graph's own layers, numbered from 0; ``kvh`` KV heads, ``hd`` head dim):
+
+* ``shallow.onnx``: ``input_ids`` [1, n] int64, ``position_ids`` [1, n] int64, ``past_key.i`` / ``past_value.i``
+  [1, past, kvh, hd] → ``hidden`` [1, n, d] (layer-l states), ``new_key.i`` / ``new_value.i`` [1, n, kvh, hd].
+* ``deep.onnx``: ``hidden`` [1, n, d], ``position_ids``, the past KV of layers l..L-1 → ``logits`` [1, n, V],
+  ``new_key.i`` / ``new_value.i``.
+* ``adapter.onnx``: ``hidden`` [1, n, d] (layer-l states), ``position_ids``, ``past_key.0`` / ``past_value.0`` →
+  ``last_logits`` [1, V] (shared LM head applied to the last position: the next-token draft distribution),
+  ``adapter_hidden`` [1, n, d] (the adapter's states before the head), ``new_key.0`` / ``new_value.0``.
+  The LM head weight is copied into this graph, so the adapter file is usable alone.
+
+KV layout is [batch, seq, kv_heads, head_dim] and graphs return only the *new* positions' keys/values: the caller
+appends them to its own cache, so a batch-1 cache cropped to its first ``t`` positions is a contiguous prefix (see
+:mod:`kangaroo_backends.onnx_backend`). All graphs are float32.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+
+from kangaroo_core.errors import MissingDependencyError, OnnxExportError
+
+MANIFEST = "manifest.json"
+FORMAT = "kangaroo-onnx"
+FORMAT_VERSION = 1
+DEFAULT_OPSET = 17
+#: accepted max |onnx - eager| relative to max(1, max |eager|) per output
+DEFAULT_TOLERANCE = 1e-4
+GRAPHS = ("shallow", "deep", "adapter")
+INSTALL_HINT = "pip install 'kangaroo-decoding[onnx]'"
+
+
+def import_onnxruntime():
+    """``onnxruntime``, or a :class:`MissingDependencyError` with the install hint."""
+    try:
+        import onnxruntime
+    except ImportError:
+        raise MissingDependencyError(f"the ONNX backend needs onnxruntime: {INSTALL_HINT}") from None
+    return onnxruntime
+
+
+# -- the wrapped sub-networks ---------------------------------------------------------------------------------------
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class _Attention(nn.Module):
+    """A LlamaAttention with explicit KV in/out ([1, seq, kvh, hd]) and a causal mask built from position ids."""
+
+    def __init__(self, attn: nn.Module, config):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.scaling = self.head_dim ** -0.5
+
+    def forward(self, x, cos, sin, position_ids, past_key, past_value):
+        b, n, _ = x.shape
+        q = self.q_proj(x).view(b, n, self.heads, self.head_dim).transpose(1, 2)  # [1, H, n, hd]
+        k_new = self.k_proj(x).view(b, n, self.kv_heads, self.head_dim)  # [1, n, kvh, hd]
+        v_new = self.v_proj(x).view(b, n, self.kv_heads, self.head_dim)
+        q = _rope(q, cos[:, None], sin[:, None])
+        k_new = _rope(k_new, cos[:, :, None], sin[:, :, None])
+        k = torch.cat([past_key, k_new], dim=1).transpose(1, 2)  # [1, kvh, T, hd]
+        v = torch.cat([past_value, v_new], dim=1).transpose(1, 2)
+        rep = self.heads // self.kv_heads
+        if rep > 1:
+            t = k.shape[2]
+            k = k[:, :, None].expand(b, self.kv_heads, rep, t, self.head_dim).reshape(b, self.heads, t, self.head_dim)
+            v = v[:, :, None].expand(b, self.kv_heads, rep, t, self.head_dim).reshape(b, self.heads, t, self.head_dim)
+        scores = torch.matmul(q, k.transpose(2, 3)) * self.scaling  # [1, H, n, T]
+        key_pos = torch.arange(k.shape[2], device=x.device)
+        blocked = key_pos[None, None, None, :] > position_ids[:, None, :, None]
+        scores = scores.masked_fill(blocked, torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.matmul(probs, v).transpose(1, 2).reshape(b, n, self.heads * self.head_dim)
+        return self.o_proj(out), k_new, v_new
+
+
+class _Rotary(nn.Module):
+    def __init__(self, rotary_emb: nn.Module):
+        super().__init__()
+        self.register_buffer("inv_freq", rotary_emb.inv_freq.detach().float().clone(), persistent=False)
+        self.scaling = float(getattr(rotary_emb, "attention_scaling", 1.0))
+
+    def forward(self, position_ids):
+        freqs = position_ids[..., None].float() * self.inv_freq  # [1, n, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos() * self.scaling, emb.sin() * self.scaling
+
+
+class _Layers(nn.Module):
+    """Decoder layers with explicit KV; returns hidden states and the new keys/values of each layer."""
+
+    def __init__(self, layers, rotary_emb, config):
+        super().__init__()
+        self.rotary = _Rotary(rotary_emb)
+        self.norms1 = nn.ModuleList([layer.input_layernorm for layer in layers])
+        self.attns = nn.ModuleList([_Attention(layer.self_attn, config) for layer in layers])
+        self.norms2 = nn.ModuleList([layer.post_attention_layernorm for layer in layers])
+        self.mlps = nn.ModuleList([layer.mlp for layer in layers])
+
+    def run(self, hidden, position_ids, past):
+        cos, sin = self.rotary(position_ids)
+        new = []
+        for i, attn in enumerate(self.attns):
+            attended, k, v = attn(self.norms1[i](hidden), cos, sin, position_ids, past[2 * i], past[2 * i + 1])
+            hidden = hidden + attended
+            hidden = hidden + self.mlps[i](self.norms2[i](hidden))
+            new += [k, v]
+        return hidden, new
+
+
+class ShallowGraph(_Layers):
+    def __init__(self, model, exit_layer: int):
+        super().__init__(model.model.layers[:exit_layer], model.model.rotary_emb, model.config)
+        self.embed = model.model.embed_tokens
+
+    def forward(self, input_ids, position_ids, *past):
+        hidden, new = self.run(self.embed(input_ids), position_ids, past)
+        return (hidden, *new)
+
+
+class DeepGraph(_Layers):
+    def __init__(self, model, exit_layer: int):
+        super().__init__(model.model.layers[exit_layer:], model.model.rotary_emb, model.config)
+        self.norm, self.head = model.model.norm, model.lm_head
+
+    def forward(self, hidden, position_ids, *past):
+        hidden, new = self.run(hidden, position_ids, past)
+        return (self.head(self.norm(hidden)), *new)
+
+
+class AdapterGraph(nn.Module):
+    """KangarooAdapter (RMSNorm → attention → residual → RMSNorm) + the shared LM head on the last position."""
+
+    def __init__(self, adapter, lm_head):
+        super().__init__()
+        self.rotary = _Rotary(adapter.rotary_emb)
+        self.input_norm, self.output_norm = adapter.input_norm, adapter.output_norm
+        self.attn = _Attention(adapter.attention, adapter.config)
+        self.head = lm_head
+
+    def forward(self, hidden, position_ids, past_key, past_value):
+        cos, sin = self.rotary(position_ids)
+        attended, k, v = self.attn(self.input_norm(hidden), cos, sin, position_ids, past_key, past_value)
+        out = self.output_norm(hidden + attended)
+        return self.head(out[:, -1]), out, k, v
+
+
+# -- names and shapes -----------------------------------------------------------------------------------------------
+def kv_names(prefix: str, layers: int) -> list[str]:
+    return [f"{prefix}_{kind}.{i}" for i in range(layers) for kind in ("key", "value")]
+
+
+def graph_io(name: str, num_layers: int, exit_layer: int) -> tuple[list[str], list[str]]:
+    layers = {"shallow": exit_layer, "deep": num_layers - exit_layer, "adapter": 1}[name]
+    first = {"shallow": "input_ids", "deep": "hidden", "adapter": "hidden"}[name]
+    outputs = {"shallow": ["hidden"], "deep": ["logits"], "adapter": ["last_logits", "adapter_hidden"]}[name]
+    return [first, "position_ids", *kv_names("past", layers)], [*outputs, *kv_names("new", layers)]
+
+
+def _shapes(names: list[str], dims: dict[str, list]) -> dict[str, list]:
+    return {n: dims[n.split(".")[0]] for n in names}
+
+
+def _dims(d: int, vocab: int, kvh: int, hd: int) -> dict[str, list]:
+    kv_past, kv_new = [1, "past", kvh, hd], [1, "n", kvh, hd]
+    return {"input_ids": [1, "n"], "position_ids": [1, "n"], "hidden": [1, "n", d], "logits": [1, "n", vocab],
+            "last_logits": [1, vocab], "adapter_hidden": [1, "n", d], "past_key": kv_past, "past_value": kv_past,
+            "new_key": kv_new, "new_value": kv_new}
+
+
+# -- export ---------------------------------------------------------------------------------------------------------
+def versions() -> dict[str, str | None]:
+    out = {}
+    for dist in ("torch", "onnx", "onnxruntime", "onnxruntime-gpu", "kangaroo-decoding", "transformers"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def adapter_key(adapter_path: str | os.PathLike | None) -> str:
+    """Identifies the adapter in an export: ``untrained`` (initialised from layer l) or a hash of its two files."""
+    if adapter_path is None:
+        return "untrained"
+    from kangaroo_plugins.adapter import METADATA_FILE, WEIGHTS_FILE
+
+    digest = hashlib.sha256()
+    for name in (METADATA_FILE, WEIGHTS_FILE):
+        path = Path(adapter_path) / name
+        if path.is_file():
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _export_graph(module: nn.Module, args: tuple, path: Path, inputs: list[str], outputs: list[str], dynamic: dict,
+                  opset: int) -> None:
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, args, str(path), input_names=inputs, output_names=outputs, dynamic_axes=dynamic,
+                          opset_version=opset, dynamo=False, do_constant_folding=True)
+
+
+def _dynamic_axes(inputs: list[str], outputs: list[str]) -> dict[str, dict[int, str]]:
+    axes = {}
+    for name in inputs + outputs:
+        base = name.split(".")[0]
+        if base in ("past_key", "past_value"):
+            axes[name] = {1: "past"}
+        elif base != "last_logits":
+            axes[name] = {1: "n"}
+    return axes
+
+
+def _torch_kv(cache, layers) -> list[torch.Tensor]:
+    """A KVCache's valid keys/values of ``layers`` as graph inputs, [1, seq, kvh, hd]."""
+    out = []
+    for i in layers:
+        k, v = cache.layer(i)
+        out += [k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()]
+    return out
+
+
+def _max_diff(ort_outputs, references) -> tuple[float, float]:
+    diff, scale = 0.0, 1.0
+    for got, ref in zip(ort_outputs, references):
+        ref = ref.detach().float().cpu()
+        if tuple(got.shape) != tuple(ref.shape):
+            raise OnnxExportError(f"exported graph output shape {tuple(got.shape)} != eager {tuple(ref.shape)}")
+        if ref.numel():
+            diff = max(diff, float((torch.from_numpy(got) - ref).abs().max()))
+            scale = max(scale, float(ref.abs().max()))
+    return diff, scale
+
+
+def _validate(path: Path, name: str, model, adapter, exit_layer: int, seed: int = 0) -> dict[str, Any]:
+    """Run the exported graph and the eager reference (TorchBackend / KangarooAdapter) on random inputs.
+
+    Two cases: no past (a 4-position prefill) and a 3-position step after 5 cached positions. Returns the max abs
+    diff over all outputs and the largest reference magnitude.
+    """
+    ort = import_onnxruntime()
+    from kangaroo_backends.torch_eager import TorchBackend
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    inputs, _ = graph_io(name, model.config.num_hidden_layers, exit_layer)
+    gen = torch.Generator().manual_seed(seed)
+    vocab, d = model.config.vocab_size, model.config.hidden_size
+    worst, scale = 0.0, 1.0
+    for past, n in ((0, 4), (5, 3)):
+        backend = TorchBackend(model, SimpleNamespace(eos_token_id=None), exit_layer)
+        ids = torch.randint(0, vocab, (past + n,), generator=gen)
+        positions = torch.arange(past, past + n)[None]
+        if name == "shallow":
+            if past:
+                backend.shallow(ids[:past].tolist())
+            past_kv = _torch_kv(backend.cache, range(exit_layer))
+            hidden = backend.shallow(ids[past:].tolist())
+            refs = [hidden[None], *[t[:, past:] for t in _torch_kv(backend.cache, range(exit_layer))]]
+            feed = [ids[None, past:], positions, *past_kv]
+        elif name == "deep":
+            states = torch.randn(past + n, d, generator=gen)
+            layers = range(exit_layer, backend.num_layers)
+            if past:
+                backend.deep(states[:past])
+            past_kv = _torch_kv(backend.cache, layers)
+            logits = backend.deep(states[past:])
+            refs = [logits[None], *[t[:, past:] for t in _torch_kv(backend.cache, layers)]]
+            feed = [states[None, past:], positions, *past_kv]
+        else:
+            states = torch.randn(past + n, d, generator=gen)
+            cache = adapter.new_cache()
+            with torch.inference_mode():
+                if past:
+                    adapter(states[None, :past], 0, cache)
+                past_kv = _torch_kv(cache, [0])
+                out = adapter(states[None, past:], past, cache)
+                refs = [model.lm_head(out[:, -1]), out, *[t[:, past:] for t in _torch_kv(cache, [0])]]
+            feed = [states[None, past:], positions, *past_kv]
+        got = session.run(None, {k: v.detach().cpu().numpy() for k, v in zip(inputs, feed)})
+        diff, ref_scale = _max_diff(got, refs)
+        worst, scale = max(worst, diff), max(scale, ref_scale)
+    return {"max_abs_diff": worst, "max_abs_reference": scale}
+
+
+def export_onnx(model, out_dir: str | os.PathLike, *, exit_layer: int, adapter=None, adapter_path=None,
+                fingerprint: str | None = None, model_name: str = "model", opset: int = DEFAULT_OPSET,
+                tolerance: float = DEFAULT_TOLERANCE, overwrite: bool = False, quiet: bool = False) -> dict[str, Any]:
+    """Export shallow/deep/adapter graphs of ``model`` (a transformers Llama) split at ``exit_layer`` into ``out_dir``.
+
+    ``adapter``: a :class:`~kangaroo_plugins.adapter.KangarooAdapter` (None: the untrained one made from layer l).
+    Every graph is validated against eager PyTorch before the export is declared good; the export is written to a
+    temporary directory and renamed into place, so a failed or refused export leaves nothing behind.
+    Returns the manifest.
+    """
+    import_onnxruntime()
+    try:
+        import onnx  # noqa: F401  (torch.onnx.export needs it)
+    except ImportError:
+        raise MissingDependencyError(f"exporting to ONNX needs the onnx package: {INSTALL_HINT}") from None
+    from kangaroo_backends.torch_eager import model_fingerprint
+    from kangaroo_plugins.adapter import KangarooAdapter
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise OnnxExportError(f"{out_dir} exists and is not empty")
+    num_layers = model.config.num_hidden_layers
+    if not 1 <= exit_layer < num_layers:
+        raise OnnxExportError(f"exit_layer must be in [1, {num_layers - 1}] for this {num_layers}-layer model, got {exit_layer}")
+    if fingerprint is None:
+        fingerprint = model_fingerprint(model)
+    model = model if next(model.parameters()).dtype == torch.float32 else copy.deepcopy(model).float()
+    model = model.eval()
+    if adapter is None:
+        adapter = KangarooAdapter.from_base_layer(model, exit_layer)
+    adapter = adapter.float().eval()
+    cfg = model.config
+    kvh = cfg.num_key_value_heads
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dims = _dims(cfg.hidden_size, cfg.vocab_size, kvh, hd)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        graphs = {}
+        modules = {"shallow": ShallowGraph(model, exit_layer), "deep": DeepGraph(model, exit_layer),
+                   "adapter": AdapterGraph(adapter, model.lm_head)}
+        for name, module in modules.items():
+            inputs, outputs = graph_io(name, num_layers, exit_layer)
+            n, past = 2, 3
+            first = torch.zeros(1, n, dtype=torch.long) if name == "shallow" else torch.randn(1, n, cfg.hidden_size)
+            kv = [torch.randn(1, past, kvh, hd) for _ in inputs[2:]]
+            args = (first, torch.arange(past, past + n)[None], *kv)
+            file = tmp / f"{name}.onnx"
+            if not quiet:
+                print(f"kangaroo: exporting {name}.onnx", file=sys.stderr)
+            try:
+                _export_graph(module.eval(), args, file, inputs, outputs, _dynamic_axes(inputs, outputs), opset)
+            except Exception as exc:
+                raise OnnxExportError(f"torch.onnx.export failed for the {name} graph: {exc}") from exc
+            check = _validate(file, name, model, adapter, exit_layer)
+            limit = tolerance * check["max_abs_reference"]
+            if not check["max_abs_diff"] <= limit:
+                raise OnnxExportError(
+                    f"the exported {name} graph differs from eager PyTorch by {check['max_abs_diff']:.3g} "
+                    f"(> tolerance {limit:.3g}); export refused"
+                )
+            graphs[name] = {
+                "file": file.name,
+                "inputs": _shapes(inputs, dims),
+                "outputs": _shapes(outputs, dims),
+                "layers": {"shallow": [0, exit_layer], "deep": [exit_layer, num_layers], "adapter": [0, 1]}[name],
+                "validation": {**check, "tolerance": limit, "cases": "past=0,n=4; past=5,n=3"},
+            }
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "opset": opset,
+            "dtype": "float32",
+            "kv_layout": "[batch, seq, kv_heads, head_dim]; graphs return the new positions' KV only",
+            "model_name": model_name,
+            "base_model_fingerprint": fingerprint,
+            "exit_layer": exit_layer,
+            "num_layers": num_layers,
+            "hidden_size": cfg.hidden_size,
+            "vocab_size": cfg.vocab_size,
+            "num_key_value_heads": kvh,
+            "head_dim": hd,
+            "max_position_embeddings": cfg.max_position_embeddings,
+            "adapter": adapter_key(adapter_path),
+            "graphs": graphs,
+            "versions": versions(),
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        if out_dir.exists():
+            shutil.rmtree(out_dir) if overwrite or not any(out_dir.iterdir()) else None
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest

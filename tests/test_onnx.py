@@ -1,0 +1,275 @@
+"""ONNX export and the onnx backend on tiny random float32 Llamas (fast; CPUExecutionProvider).
+
+Skipped when onnxruntime is not importable, except the missing-dependency test, which fakes its absence.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+
+import pytest
+import torch
+
+from kangaroo_core.cli import main
+from kangaroo_core.config import DecodeConfig
+from kangaroo_core.engine import Engine
+from kangaroo_core.errors import (AdapterMismatchError, MissingDependencyError, OnnxExportError, OnnxModelError,
+                                  ProviderError)
+from kangaroo_plugins.adapter import KangarooAdapter
+from kangaroo_plugins.greedy_verifier import GreedyVerifier
+from kangaroo_plugins.kangaroo_drafter import KangarooDrafter
+from kangaroo_policies.threshold import ThresholdPolicy
+from tiny import TinyTokenizer, hf_greedy, tiny_backend, tiny_llama
+
+HAS_ORT = importlib.util.find_spec("onnxruntime") is not None and importlib.util.find_spec("onnx") is not None
+needs_ort = pytest.mark.skipif(not HAS_ORT, reason="onnxruntime/onnx not installed (pip install '.[onnx]')")
+
+MODELS = {}
+
+
+def model(seed: int):
+    if seed not in MODELS:
+        MODELS[seed] = tiny_llama(seed, dtype=torch.float32, layers=3, eos_token_id=None if seed % 2 else 5)
+    return MODELS[seed]
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory, one_torch_thread):
+    """(seed, exit layer) -> an exported directory, exported once per module."""
+    from kangaroo_backends.onnx_export import export_onnx
+
+    root = tmp_path_factory.mktemp("onnx-bundles")
+    made = {}
+
+    def get(seed: int, exit_layer: int):
+        if (seed, exit_layer) not in made:
+            made[seed, exit_layer] = root / f"m{seed}-l{exit_layer}"
+            export_onnx(model(seed), made[seed, exit_layer], exit_layer=exit_layer, quiet=True)
+        return made[seed, exit_layer]
+
+    return get
+
+
+def onnx_backend(seed: int, exit_layer: int, bundle, **options):
+    from kangaroo_backends.onnx_backend import OnnxBackend
+
+    m = model(seed)
+    return OnnxBackend(m, TinyTokenizer(m.config.vocab_size, m.generation_config.eos_token_id), exit_layer,
+                       bundle=bundle, threads=1, quiet=True, **options)
+
+
+def kangaroo_engine(backend, exit_layer, eta, gamma, drafter=None):
+    config = DecodeConfig(exit_layer=exit_layer, eta=eta, gamma=gamma, max_new_tokens=24)
+    return Engine(backend, drafter or KangarooDrafter(), ThresholdPolicy(eta=eta), GreedyVerifier(), config)
+
+
+# -- export ---------------------------------------------------------------------------------------------------------
+@needs_ort
+def test_export_writes_a_validated_manifest(bundles):
+    from kangaroo_backends.torch_eager import model_fingerprint
+
+    directory = bundles(1, 1)
+    manifest = json.loads((directory / "manifest.json").read_text())
+    assert sorted(p.name for p in directory.iterdir()) == ["adapter.onnx", "deep.onnx", "manifest.json", "shallow.onnx"]
+    assert manifest["base_model_fingerprint"] == model_fingerprint(model(1))
+    assert (manifest["exit_layer"], manifest["num_layers"], manifest["opset"], manifest["adapter"]) == (1, 3, 17, "untrained")
+    assert {"torch", "onnx", "onnxruntime", "kangaroo-decoding"} <= set(manifest["versions"])
+    shallow = manifest["graphs"]["shallow"]
+    assert list(shallow["inputs"]) == ["input_ids", "position_ids", "past_key.0", "past_value.0"]
+    assert shallow["inputs"]["past_key.0"] == [1, "past", 2, 8]
+    assert list(manifest["graphs"]["deep"]["outputs"]) == ["logits", "new_key.0", "new_value.0", "new_key.1", "new_value.1"]
+    assert list(manifest["graphs"]["adapter"]["outputs"]) == ["last_logits", "adapter_hidden", "new_key.0", "new_value.0"]
+    for name, graph in manifest["graphs"].items():  # graph-by-graph validation against eager PyTorch
+        check = graph["validation"]
+        assert 0 <= check["max_abs_diff"] < 1e-4, (name, check)
+        assert check["max_abs_diff"] <= check["tolerance"]
+
+
+@needs_ort
+def test_exported_adapter_alone_gives_the_drafter_logits(bundles):
+    """adapter.onnx is usable without the rest: layer-l states + its own KV → the drafter's next-token logits."""
+    import onnxruntime as ort
+
+    m, exit_layer = model(1), 1
+    session = ort.InferenceSession(str(bundles(1, exit_layer) / "adapter.onnx"), providers=["CPUExecutionProvider"])
+    hidden = torch.randn(6, m.config.hidden_size)
+    adapter = KangarooAdapter.from_base_layer(m, exit_layer)
+    with torch.inference_mode():
+        expected = m.lm_head(adapter(hidden[None], 0)[0, -1])
+    past = torch.zeros(1, 0, 2, 8).numpy()
+    step1 = session.run(None, {"hidden": hidden[None, :4].numpy(), "position_ids": torch.arange(4)[None].numpy(),
+                               "past_key.0": past, "past_value.0": past})
+    keys, values = step1[2], step1[3]
+    step2 = session.run(None, {"hidden": hidden[None, 4:].numpy(), "position_ids": torch.arange(4, 6)[None].numpy(),
+                               "past_key.0": keys, "past_value.0": values})
+    assert step2[0].shape == (1, m.config.vocab_size) and step2[2].shape == (1, 2, 2, 8)
+    assert torch.allclose(torch.from_numpy(step2[0][0]), expected, atol=1e-4)
+
+
+@needs_ort
+def test_export_refused_beyond_tolerance_leaves_nothing(tmp_path, one_torch_thread):
+    from kangaroo_backends.onnx_export import export_onnx
+
+    with pytest.raises(OnnxExportError, match="differs from eager PyTorch"):
+        export_onnx(model(1), tmp_path / "out", exit_layer=1, tolerance=0.0, quiet=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- the ORT loop ---------------------------------------------------------------------------------------------------
+@needs_ort
+@pytest.mark.parametrize("seed,exit_layer,eta,gamma,prompt", [
+    (1, 1, 0.0, 4, [3, 5, 7, 9]),
+    (1, 2, 0.3, 2, [11, 2]),
+    (2, 1, 0.6, 6, [1, 2, 3, 4, 5, 6, 7]),
+    (2, 2, 0.0, 1, [40]),
+    (3, 1, 0.1, 3, [8, 8, 9, 30, 31]),
+])
+def test_onnx_loop_is_token_identical_to_eager_and_transformers(bundles, seed, exit_layer, eta, gamma, prompt):
+    onnx = kangaroo_engine(onnx_backend(seed, exit_layer, bundles(seed, exit_layer)), exit_layer, eta, gamma)
+    eager = kangaroo_engine(tiny_backend(model(seed), exit_layer=exit_layer), exit_layer, eta, gamma)
+    got, want = onnx.generate_ids(prompt, 24), eager.generate_ids(prompt, 24)
+    assert got.token_ids == want.token_ids == hf_greedy(model(seed), prompt, 24)
+    # the drafter behaves the same on both backends: same drafts accepted, round by round
+    assert [(r.drafted, r.accepted) for r in got.rounds] == [(r.drafted, r.accepted) for r in want.rounds]
+    assert onnx.backend.cache_lengths() == eager.backend.cache_lengths()
+    vanilla = Engine(onnx.backend, None, onnx.policy, onnx.verifier, onnx.config).generate_ids(prompt, 24)
+    assert vanilla.token_ids == want.token_ids
+
+
+@needs_ort
+def test_trained_adapter_is_exported_with_the_backend_and_drafts_the_same(tmp_path, one_torch_thread):
+    from kangaroo_backends.torch_eager import model_fingerprint
+
+    m, exit_layer = model(1), 1
+    adapter = KangarooAdapter.from_base_layer(m, exit_layer)
+    with torch.no_grad():
+        for p in adapter.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    adapter.save(tmp_path / "adapter", base_fingerprint=model_fingerprint(m), exit_layer=exit_layer)
+    path = str(tmp_path / "adapter")
+    backend = onnx_backend(1, exit_layer, None)
+    from kangaroo_backends import loading
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loading, "cache_dir", lambda: tmp_path / "cache")
+        import kangaroo_backends.onnx_backend as ob
+
+        mp.setattr(ob, "cache_dir", lambda: tmp_path / "cache")
+        onnx = kangaroo_engine(backend, exit_layer, 0.0, 4, KangarooDrafter(adapter=path))
+        eager = kangaroo_engine(tiny_backend(m, exit_layer=exit_layer), exit_layer, 0.0, 4, KangarooDrafter(adapter=path))
+        got, want = onnx.generate_ids([3, 4, 5], 24), eager.generate_ids([3, 4, 5], 24)
+    assert got.token_ids == want.token_ids
+    assert [(r.drafted, r.accepted) for r in got.rounds] == [(r.drafted, r.accepted) for r in want.rounds]
+    (export,) = (tmp_path / "cache" / "onnx").iterdir()
+    assert export.name.endswith(json.loads((export / "manifest.json").read_text())["adapter"])
+    with pytest.raises(AdapterMismatchError):
+        KangarooDrafter(adapter=path).bind(onnx_backend(1, 2, None))
+
+
+# -- bad inputs -----------------------------------------------------------------------------------------------------
+@needs_ort
+def test_manifest_of_another_model_exit_layer_or_adapter_is_refused(bundles):
+    with pytest.raises(OnnxModelError, match="made for base model"):
+        onnx_backend(2, 1, bundles(1, 1)).reset()
+    with pytest.raises(OnnxModelError, match="split at exit layer 1, but exit layer 2"):
+        onnx_backend(1, 2, bundles(1, 1)).reset()
+
+
+@needs_ort
+def test_missing_corrupt_and_wrong_opset_files_are_one_clear_error(bundles, tmp_path):
+    import onnx
+
+    broken = tmp_path / "broken"
+    shutil.copytree(bundles(1, 1), broken)
+    (broken / "deep.onnx").write_bytes(b"this is not an onnx file")
+    with pytest.raises(OnnxModelError, match=r"cannot load .*deep.onnx \(corrupt"):
+        onnx_backend(1, 1, broken).reset()
+    (broken / "deep.onnx").unlink()
+    with pytest.raises(OnnxModelError, match=r"deep.onnx is missing"):
+        onnx_backend(1, 1, broken).reset()
+    shutil.copy(bundles(1, 1) / "deep.onnx", broken / "deep.onnx")
+    graph = onnx.load(str(broken / "adapter.onnx"))
+    for entry in graph.opset_import:
+        if entry.domain in ("", "ai.onnx"):
+            entry.version = 99
+    onnx.save(graph, str(broken / "adapter.onnx"))
+    with pytest.raises(OnnxModelError, match="uses ONNX opset 99, which onnxruntime .* cannot run"):
+        onnx_backend(1, 1, broken).reset()
+    (broken / "manifest.json").write_text("{not json")
+    with pytest.raises(OnnxModelError, match="not valid JSON"):
+        onnx_backend(1, 1, broken).reset()
+    with pytest.raises(OnnxModelError, match="not a kangaroo ONNX export"):
+        onnx_backend(1, 1, tmp_path / "nowhere").reset()
+
+
+@needs_ort
+def test_unavailable_provider_is_an_error():
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("CUDA provider available here")
+    with pytest.raises(ProviderError, match="CUDAExecutionProvider is not available.*onnx-gpu"):
+        onnx_backend(1, 1, None, provider="cuda")
+
+
+@needs_ort
+def test_failed_first_use_export_leaves_no_cache(tmp_path, monkeypatch, one_torch_thread):
+    import kangaroo_backends.onnx_backend as ob
+    import kangaroo_backends.onnx_export as oe
+
+    monkeypatch.setattr(ob, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(oe, "_validate", lambda *a, **k: {"max_abs_diff": 1.0, "max_abs_reference": 1.0})
+    with pytest.raises(OnnxExportError, match="export refused"):
+        onnx_backend(1, 1, None).reset()
+    assert list((tmp_path / "onnx").iterdir()) == []
+
+
+def test_missing_onnxruntime_gives_the_install_hint(monkeypatch, tiny_model_dir, capsys):
+    from kangaroo_backends.onnx_backend import OnnxBackend
+
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import onnxruntime → ImportError
+    with pytest.raises(MissingDependencyError, match=r"pip install 'kangaroo-decoding\[onnx\]'"):
+        OnnxBackend.create(DecodeConfig(exit_layer=1), model=str(tiny_model_dir))
+    assert main(["generate", "hi", "--model", str(tiny_model_dir), "--backend", "onnx"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "kangaroo-decoding[onnx]" in err
+    assert main(["export-onnx", "--out", "x", "--model", str(tiny_model_dir)]) == 1
+
+
+# -- CLI ------------------------------------------------------------------------------------------------------------
+@needs_ort
+def test_cli_generate_backend_onnx_exports_once_and_matches_torch(tiny_model_dir, tmp_path, monkeypatch, capsys,
+                                                                  one_torch_thread):
+    monkeypatch.setenv("KANGAROO_CACHE_DIR", str(tmp_path))
+    args = ["generate", "tell me a story", "--model", str(tiny_model_dir), "--exit-layer", "1", "--max-new-tokens",
+            "10", "--eta", "0", "--gamma", "3", "--json"]
+    assert main(args + ["--backend", "onnx"]) == 0
+    out, err = capsys.readouterr()
+    assert "exporting once" in err
+    first = json.loads(out)
+    assert main(args + ["--backend", "onnx", "--provider", "cpu"]) == 0
+    out, err = capsys.readouterr()
+    assert "exporting" not in err and json.loads(out)["token_ids"] == first["token_ids"]
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == first["token_ids"]
+    (export,) = (tmp_path / "onnx").iterdir()
+    assert export.name.endswith("-l1-untrained")
+
+
+@needs_ort
+def test_cli_export_onnx_then_generate_from_it(tiny_model_dir, other_tiny_model_dir, tmp_path, capsys, one_torch_thread):
+    out_dir = tmp_path / "export"
+    assert main(["export-onnx", "--out", str(out_dir), "--model", str(tiny_model_dir), "--exit-layer", "2"]) == 0
+    _, err = capsys.readouterr()
+    assert "[deep] deep.onnx: max |onnx - eager|" in err
+    assert main(["export-onnx", "--out", str(out_dir), "--model", str(tiny_model_dir)]) == 1
+    assert "exists and is not empty" in capsys.readouterr().err
+    base = ["generate", "hello world", "--max-new-tokens", "6", "--backend", "onnx", "--onnx-dir", str(out_dir), "--json"]
+    assert main(base + ["--model", str(tiny_model_dir)]) == 0
+    assert json.loads(capsys.readouterr().out)["new_tokens"] >= 1
+    assert main(base + ["--model", str(other_tiny_model_dir)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kangaroo: error: ONNX export") and "made for base model" in err and err.count("\n") == 1
