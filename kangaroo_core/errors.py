@@ -19,3 +19,7 @@ class AdapterMismatchError(KangarooError):
 
 class PromptError(KangarooError):
     """The prompt is empty or does not fit into the model's context."""
+
+
+class BenchError(KangarooError):
+    """A benchmark input is unusable: bad questions file, unknown bench method, bad sweep value."""
