@@ -178,6 +178,8 @@ def _adapter_specs(text: str | None):
 @click.option("--repeats", type=int, default=1, show_default=True, help="Run every question R times.")
 @click.option("--no-warmup", is_flag=True, help="Skip the uncounted warm-up generation of each method.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--threads", type=int, default=None,
+              help="torch intra-op threads (default: torch's); 1 is steadier on a busy machine.")
 @click.option("--sweep-eta", default=None, help="Comma-separated eta values: one kangaroo variant per (eta, gamma).")
 @click.option("--sweep-gamma", default=None, help="Comma-separated gamma values for the sweep (default: --gamma).")
 @click.option("--adapters", default=None,
@@ -198,7 +200,7 @@ def _adapter_specs(text: str | None):
 @click.option("--seed", type=int, default=None)
 @click.option("--draft-sampling", is_flag=True)
 def bench(questions_file, out_dir, methods, max_new_tokens, limit_per_subtask, repeats, no_warmup, no_progress,
-          sweep_eta, sweep_gamma, adapters, model, adapter, eta, gamma, exit_layer, policy, drafter, verifier, backend,
+          threads, sweep_eta, sweep_gamma, adapters, model, adapter, eta, gamma, exit_layer, policy, drafter, verifier, backend,
           dtype, temperature, top_k, top_p, seed, draft_sampling) -> None:
     """Benchmark every method on Spec-Bench questions: results.json, results.md, plots in --out."""
     import datetime
@@ -215,6 +217,10 @@ def bench(questions_file, out_dir, methods, max_new_tokens, limit_per_subtask, r
 
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, sample_drafts=draft_sampling)
     config = DecodeConfig(eta=eta, gamma=gamma, exit_layer=exit_layer, max_new_tokens=max_new_tokens, sampling=sampling)
+    if threads is not None:
+        if threads < 1:
+            raise KangarooError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
     questions = load_questions(questions_file, limit_per_subtask)
     etas, gammas = _float_list(sweep_eta, "--sweep-eta"), _int_list(sweep_gamma, "--sweep-gamma")
     adapter_specs, adapter_points = _adapter_specs(adapters)

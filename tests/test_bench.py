@@ -148,7 +148,7 @@ def test_sweeps_and_adapter_comparison_write_json_and_png(tiny_model_dir, tmp_pa
     questions = write_questions(tmp_path / "q.jsonl", QUESTIONS[1:])
     out = tmp_path / "out"
     code = main(["bench", "--questions", str(questions), "--out", str(out), "--model", str(tiny_model_dir),
-                 "--max-new-tokens", "4", "--no-warmup", "--no-progress", "--sweep-eta", "0,0.9",
+                 "--max-new-tokens", "4", "--no-warmup", "--no-progress", "--threads", "1", "--sweep-eta", "0,0.9",
                  "--sweep-gamma", "2,3", "--adapters", ",".join(dirs)])
     assert code == 0
     results = json.loads((out / "results.json").read_text())
@@ -202,3 +202,15 @@ def test_metrics_pool_rounds_and_passes():
     m = metrics([hf], greedy=True)
     assert m["mean_accepted_tokens"] == 3.0 and m["ctar"] is None and m["identical_to_vanilla"] is None
     assert rotate(["a", "b", "c"], 4) == ["b", "c", "a"]
+
+
+def test_sampling_skips_the_identity_check(tiny_model_dir, tmp_path, one_torch_thread):
+    questions = write_questions(tmp_path / "q.jsonl", QUESTIONS[1:])
+    out = tmp_path / "out"
+    assert main(["bench", "--questions", str(questions), "--out", str(out), "--model", str(tiny_model_dir),
+                 "--max-new-tokens", "4", "--no-warmup", "--no-progress", "--methods", "hf_vanilla,kangaroo",
+                 "--temperature", "0.7", "--seed", "1"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["methods"]) == {"hf_vanilla", "kangaroo"}
+    for entry in results["methods"].values():
+        assert entry["error"] is None and entry["overall"]["identical_to_vanilla"] is None
