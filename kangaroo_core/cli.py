@@ -1,4 +1,4 @@
-"""The ``kangaroo`` command line: ``generate`` and ``plugins``.
+"""The ``kangaroo`` command line: ``generate``, ``bench`` and ``plugins``.
 
 User errors print one line to stderr (``kangaroo: error: ...``) and exit 1 (2 for bad usage); no traceback.
 """
@@ -130,6 +130,156 @@ def _compare(engine, prompt: str, chat: bool, as_json: bool) -> None:
     same = "n/a (sampling: same distribution, not the same draws)" if identical is None else "yes" if identical else "NO"
     _eprint(f"[compare] speedup {speedup:.2f}x vs vanilla · output identical to vanilla: {same}")
 
+DEFAULT_QUESTIONS = "../shared/data/specbench_dev.jsonl"
+_argv: list[str] = []
+
+
+def _float_list(text: str | None, flag: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()] if text else []
+    except ValueError:
+        raise KangarooError(f"{flag} takes comma-separated numbers, got {text!r}") from None
+
+
+def _int_list(text: str | None, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()] if text else []
+    except ValueError:
+        raise KangarooError(f"{flag} takes comma-separated integers, got {text!r}") from None
+
+
+def _adapter_specs(text: str | None):
+    from pathlib import Path
+
+    from kangaroo_core.bench.harness import MethodSpec
+    from kangaroo_core.errors import BenchError
+
+    specs, points = [], []
+    for raw in [x.strip() for x in (text or "").split(",") if x.strip()]:
+        path = Path(raw).expanduser()
+        meta_path = path / "adapter.json"
+        try:
+            meta = json.loads(meta_path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise BenchError(f"--adapters: cannot read {meta_path}: {exc}") from None
+        if not isinstance(meta.get("exit_layer"), int):
+            raise BenchError(f"--adapters: {meta_path} has no integer exit_layer")
+        name = path.name or str(path)
+        label = f"kangaroo[adapter={name}]"
+        if any(s.label == label for s in specs):
+            label = f"kangaroo[adapter={path}]"
+        arch = meta.get("architecture") or {}
+        specs.append(MethodSpec(label, "kangaroo", {"adapter": str(path), "exit_layer": meta["exit_layer"]}))
+        points.append({"label": label, "name": name, "path": str(path), "exit_layer": meta["exit_layer"],
+                       "ffn": arch.get("ffn"), "separate_head": arch.get("separate_head")})
+    return specs, points
+
+
+@cli.command()
+@click.option("--questions", "questions_file", default=DEFAULT_QUESTIONS, show_default=True,
+              help="Spec-Bench-format JSONL (question_id, turns, subtask or category).")
+@click.option("--out", "out_dir", default="bench-results", show_default=True, help="Output directory.")
+@click.option("--methods", default=None,
+              help="Comma-separated bench methods (default: every registered one; hf_vanilla is always measured).")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--limit-per-subtask", type=int, default=None, help="Only the first K questions of each subtask.")
+@click.option("--repeats", type=int, default=1, show_default=True, help="Run every question R times.")
+@click.option("--no-warmup", is_flag=True, help="Skip the uncounted warm-up generation of each method.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--threads", type=int, default=None,
+              help="torch intra-op threads (default: torch's); 1 is steadier on a busy machine.")
+@click.option("--sweep-eta", default=None, help="Comma-separated eta values: one kangaroo variant per (eta, gamma).")
+@click.option("--sweep-gamma", default=None, help="Comma-separated gamma values for the sweep (default: --gamma).")
+@click.option("--adapters", default=None,
+              help="Comma-separated adapter directories to compare, each at the exit layer in its adapter.json.")
+@click.option("--model", default=None, help="Local HF model directory or GGUF file (default: SmolLM2-135M-Instruct).")
+@click.option("--adapter", default=None, help="Adapter directory for the kangaroo method. Default: untrained adapter.")
+@click.option("--eta", type=float, default=0.6, show_default=True)
+@click.option("--gamma", type=int, default=6, show_default=True)
+@click.option("--exit-layer", type=int, default=2, show_default=True)
+@click.option("--policy", default="threshold", show_default=True)
+@click.option("--drafter", default="kangaroo", show_default=True)
+@click.option("--verifier", default="auto", show_default=True)
+@click.option("--backend", default="torch", show_default=True)
+@click.option("--dtype", default="float32", show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("--draft-sampling", is_flag=True)
+def bench(questions_file, out_dir, methods, max_new_tokens, limit_per_subtask, repeats, no_warmup, no_progress,
+          threads, sweep_eta, sweep_gamma, adapters, model, adapter, eta, gamma, exit_layer, policy, drafter, verifier, backend,
+          dtype, temperature, top_k, top_p, seed, draft_sampling) -> None:
+    """Benchmark every method on Spec-Bench questions: results.json, results.md, plots in --out."""
+    import datetime
+    import shlex
+    from pathlib import Path
+
+    import torch
+
+    from kangaroo_core.bench.api import BenchContext
+    from kangaroo_core.bench.harness import MethodSpec, build_methods, parse_methods, run_bench, summarize
+    from kangaroo_core.bench.questions import load_questions
+    from kangaroo_core.bench.report import write_adapters, write_outputs, write_sweep
+    from kangaroo_core.plugins import get_registry
+
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, sample_drafts=draft_sampling)
+    config = DecodeConfig(eta=eta, gamma=gamma, exit_layer=exit_layer, max_new_tokens=max_new_tokens, sampling=sampling)
+    if threads is not None:
+        if threads < 1:
+            raise KangarooError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    questions = load_questions(questions_file, limit_per_subtask)
+    etas, gammas = _float_list(sweep_eta, "--sweep-eta"), _int_list(sweep_gamma, "--sweep-gamma")
+    adapter_specs, adapter_points = _adapter_specs(adapters)
+    sweeping = bool(etas or gammas)
+    specs = parse_methods(methods if methods is not None or not (sweeping or adapter_specs) else "hf_vanilla")
+    sweep_points = []
+    if sweeping:
+        for g in gammas or [gamma]:
+            for e in etas or [eta]:
+                config.replace(eta=e, gamma=g)  # validates
+                label = f"kangaroo[eta={e:g},gamma={g}]"
+                specs.append(MethodSpec(label, "kangaroo", {"eta": e, "gamma": g}))
+                sweep_points.append({"label": label, "eta": e, "gamma": g})
+    specs += adapter_specs
+    backend_options = {"model": model, **({"dtype": dtype} if dtype != "float32" else {})}
+    backend_obj = get_registry().resolve("backend", backend).create(config, **backend_options)
+    context = BenchContext(backend_obj, config, drafter=drafter, policy=policy, verifier=verifier, adapter=adapter)
+    run = run_bench(context, build_methods(specs, context), questions, max_new_tokens=max_new_tokens, repeats=repeats,
+                    warmup=not no_warmup, progress=not no_progress)
+    summary = summarize(run)
+    counts = {s: sum(q.subtask == s for q in questions) for s in run.subtasks}
+    info = {
+        "command": "kangaroo " + shlex.join(_argv),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "model": backend_obj.model_name,
+        "questions": str(questions_file),
+        "questions_per_subtask": counts,
+        "max_new_tokens": max_new_tokens,
+        "repeats": repeats,
+        "config": {"eta": eta, "gamma": gamma, "exit_layer": exit_layer, "adapter": adapter, "policy": policy,
+                   "drafter": drafter, "verifier": verifier, "backend": backend, "dtype": dtype,
+                   "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed,
+                   "draft_sampling": draft_sampling},
+        "torch_threads": torch.get_num_threads(),
+    }
+    out = Path(out_dir)
+    files = write_outputs(out, summary, run.subtasks, info)
+    if sweep_points:
+        files += write_sweep(out, summary, sweep_points)
+    if adapter_points:
+        files += write_adapters(out, summary, adapter_points)
+    for label, entry in summary["methods"].items():
+        if entry["error"]:
+            _eprint(f"kangaroo: bench: {label} failed: {entry['error']}")
+            continue
+        o, speed = entry["overall"], summary["speedup"][label]["overall"]
+        cr = "–" if o["mean_accepted_tokens"] is None else f"{o['mean_accepted_tokens']:.2f}"
+        same = {None: "n/a", True: "yes", False: "NO"}[o["identical_to_vanilla"]]
+        _eprint(f"[{label}] {o['tokens_per_second']:.1f} tok/s · speedup {speed:.2f}x · CR {cr} · identical {same}")
+    click.echo(f"wrote {', '.join(str(f) for f in files)}")
+
 
 @cli.command("train-adapter")
 @click.option("--out", "out_dir", required=True, help="Output adapter directory (+ training_report.json, training_curves.png).")
@@ -225,6 +375,7 @@ def plugins(as_json: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    _argv[:] = list(sys.argv[1:] if argv is None else argv)
     try:
         cli.main(args=argv, prog_name="kangaroo", standalone_mode=False)
     except click.exceptions.Abort:

@@ -35,3 +35,7 @@ class OnnxModelError(KangarooError):
 
 class ProviderError(KangarooError):
     """The requested onnxruntime execution provider is not available."""
+
+
+class BenchError(KangarooError):
+    """A benchmark input is unusable: bad questions file, unknown bench method, bad sweep value."""

@@ -62,3 +62,17 @@ def register_verifiers(register):
     next token (see :class:`kangaroo_core.interfaces.Verifier`). Selected with ``--verifier NAME``
     (built-in: ``greedy``).
     """
+
+
+@hookspec
+def register_bench_methods(register):
+    """Register bench methods for ``kangaroo bench``: ``register(name, BenchMethodSubclass)``.
+
+    A bench method is one way of generating a reply that the benchmark measures next to the others on the same
+    questions (see :class:`kangaroo_core.bench.api.BenchMethod`): ``prepare(context)`` once on the shared, loaded
+    model (:class:`kangaroo_core.bench.api.BenchContext`: backend, transformers model, tokenizer, config, engines on
+    the same backend), then ``run(messages, max_new_tokens)`` per question turn, returning a
+    :class:`kangaroo_core.bench.api.MethodResult` (token ids, seconds, round statistics when it has them).
+    Selected with ``kangaroo bench --methods NAME,...`` (every registered method by default; built-in:
+    ``hf_vanilla``, ``hf_prompt_lookup``, ``hf_early_exit``, ``vanilla``, ``kangaroo``).
+    """

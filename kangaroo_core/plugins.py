@@ -15,6 +15,7 @@ import attrs
 import pluggy
 
 from kangaroo_core import hookspecs
+from kangaroo_core.bench.api import BenchMethod
 from kangaroo_core.errors import PluginError
 from kangaroo_core.interfaces import Backend, SelfDrafter, StoppingPolicy, Verifier
 
@@ -26,6 +27,7 @@ KINDS: dict[str, tuple[str, type]] = {
     "drafter": ("register_drafters", SelfDrafter),
     "policy": ("register_policies", StoppingPolicy),
     "verifier": ("register_verifiers", Verifier),
+    "bench_method": ("register_bench_methods", BenchMethod),
 }
 
 

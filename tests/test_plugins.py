@@ -11,7 +11,8 @@ from kangaroo_core.plugins import KINDS, Registry
 from plugin_fixtures import (BROKEN_ON_IMPORT, DUPLICATE_THRESHOLD, ENTROPY_POLICY, RAISES_IN_HOOK, activate,
                              install_fake_distribution)
 
-BUILTINS = {"backend": ["onnx", "torch"], "drafter": ["kangaroo"], "policy": ["threshold"], "verifier": ["greedy", "speculative"]}
+BUILTINS = {"backend": ["onnx", "torch"], "drafter": ["kangaroo"], "policy": ["threshold"], "verifier": ["greedy", "speculative"],
+            "bench_method": ["hf_early_exit", "hf_prompt_lookup", "hf_vanilla", "kangaroo", "vanilla"]}
 
 
 @pytest.fixture

@@ -1,0 +1,148 @@
+"""Built-in bench methods for ``kangaroo bench``.
+
+* ``hf_vanilla`` — transformers ``generate``, greedy: the reference for speedups and for losslessness;
+* ``hf_prompt_lookup`` — transformers prompt-lookup decoding (``prompt_lookup_num_tokens=10``);
+* ``hf_early_exit`` — transformers ``assistant_early_exit=l`` (LayerSkip-style self-speculation at our exit layer);
+* ``vanilla`` — our engine with no drafter (the same loop, one token per pass);
+* ``kangaroo`` — our engine with the configured drafter, adapter, policy and verifier.
+
+The transformers methods run on the backend's own model object (loaded once, shared). They report CR as new tokens
+per full-depth target pass (counted with a pre-hook on the last decoder layer, which early-exit drafts never reach),
+and no CTAR (transformers does not expose per-round acceptance).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from kangaroo_core.bench.api import BenchContext, BenchMethod, Messages, MethodResult, trim
+from kangaroo_core.errors import KangarooError
+from kangaroo_core.hookspecs import hookimpl
+
+
+class HFGenerate(BenchMethod):
+    """transformers ``model.generate`` on the shared model; subclasses add generate kwargs."""
+
+    name = "hf_vanilla"
+
+    def generate_kwargs(self, context: BenchContext) -> dict[str, Any]:
+        return {}
+
+    def prepare(self, context: BenchContext) -> None:
+        model = context.model
+        if model is None or not hasattr(model, "generate"):
+            raise KangarooError(f"{self.name} needs a backend holding a transformers model (the torch backend)")
+        self.context, self.model = context, model
+        sampling = context.config.sampling
+        eos = sorted(context.eos_token_ids)
+        self.kwargs: dict[str, Any] = {"pad_token_id": eos[0] if eos else None}
+        if sampling.greedy:
+            self.kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+        else:
+            self.kwargs.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None,
+                               top_p=sampling.top_p)
+        self.seed = sampling.seed
+        self.kwargs.update(self.generate_kwargs(context))
+        self.last_layer = getattr(model, model.base_model_prefix).layers[-1]
+
+    @torch.inference_mode()
+    def run(self, messages: Messages, max_new_tokens: int) -> MethodResult:
+        ids = torch.tensor([self.context.encode(messages)], device=self.model.device)
+        passes = [0]
+
+        def count(_module, _args):
+            passes[0] += 1
+
+        handle = self.last_layer.register_forward_pre_hook(count)
+        try:
+            if self.seed is not None:
+                torch.manual_seed(self.seed)
+            started = time.perf_counter()
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                      **self.kwargs)
+            seconds = time.perf_counter() - started
+        finally:
+            handle.remove()
+        new = out[0, ids.shape[1]:].tolist()
+        return MethodResult(trim(new, self.context.eos_token_ids, max_new_tokens), seconds,
+                            target_passes=passes[0], generated_tokens=len(new))
+
+
+class HFPromptLookup(HFGenerate):
+    """transformers prompt-lookup decoding: drafts are n-gram matches copied from the prompt."""
+
+    name = "hf_prompt_lookup"
+
+    def __init__(self, prompt_lookup_num_tokens: int = 10):
+        self.num_tokens = prompt_lookup_num_tokens
+
+    def generate_kwargs(self, context: BenchContext) -> dict[str, Any]:
+        return {"prompt_lookup_num_tokens": self.num_tokens}
+
+
+class HFEarlyExit(HFGenerate):
+    """transformers self-speculation with an early exit at layer l (LayerSkip): drafts from M[:l] + final norm + head."""
+
+    name = "hf_early_exit"
+
+    def __init__(self, exit_layer: int | None = None):
+        self.exit_layer = exit_layer
+
+    def generate_kwargs(self, context: BenchContext) -> dict[str, Any]:
+        return {"assistant_early_exit": self.exit_layer or context.config.exit_layer}
+
+
+class EngineMethod(BenchMethod):
+    """Our engine on the shared backend; ``vanilla`` has no drafter."""
+
+    name = "vanilla"
+    drafter: Any = None
+
+    def make_engine(self, context: BenchContext):
+        return context.engine(drafter=None)
+
+    def prepare(self, context: BenchContext) -> None:
+        self.engine = self.make_engine(context)
+
+    def run(self, messages: Messages, max_new_tokens: int) -> MethodResult:
+        ids = self.engine.encode(list(messages))
+        started = time.perf_counter()
+        result = self.engine.generate_ids(ids, max_new_tokens)
+        seconds = time.perf_counter() - started
+        return MethodResult(list(result.token_ids), seconds, rounds=list(result.rounds))
+
+
+class KangarooMethod(EngineMethod):
+    """Our engine with drafting. Options override the run's config: ``eta``, ``gamma``, ``adapter``, ``exit_layer``."""
+
+    name = "kangaroo"
+
+    def __init__(self, eta: float | None = None, gamma: int | None = None, adapter: str | None = None,
+                 exit_layer: int | None = None):
+        self.eta, self.gamma, self.adapter, self.exit_layer = eta, gamma, adapter, exit_layer
+
+    def make_engine(self, context: BenchContext):
+        changes = {k: v for k, v in (("eta", self.eta), ("gamma", self.gamma)) if v is not None}
+        config = context.config.replace(**changes)
+        return context.engine(config=config, adapter=self.adapter if self.adapter is not None else "default",
+                              exit_layer=self.exit_layer)
+
+
+class VanillaMethod(EngineMethod):
+    name = "vanilla"
+
+
+#: The built-ins in the order the harness lists them.
+BUILTIN_ORDER = ("hf_vanilla", "hf_prompt_lookup", "hf_early_exit", "vanilla", "kangaroo")
+
+
+@hookimpl
+def register_bench_methods(register):
+    register("hf_vanilla", HFGenerate)
+    register("hf_prompt_lookup", HFPromptLookup)
+    register("hf_early_exit", HFEarlyExit)
+    register("vanilla", VanillaMethod)
+    register("kangaroo", KangarooMethod)
