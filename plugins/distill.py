@@ -158,14 +158,22 @@ def shard_path(directory: Path, split: str, index: int) -> Path:
 
 
 def build_shards(model, tokenizer, prompts: Sequence[Prompt], directory: Path, split: str, *, layers: Sequence[int],
-                 batch_size: int, max_new_tokens: int, top_k: int, eos_ids: set[int], max_prompt_tokens: int = 768) -> list[Path]:
-    """Answer and featurise ``prompts`` in shards of ``batch_size``; existing shards are kept (resume)."""
+                 batch_size: int, max_new_tokens: int, top_k: int, eos_ids: set[int], max_prompt_tokens: int = 768,
+                 generate: bool = True, first_shard: int = 0) -> list[Path]:
+    """Answer and featurise ``prompts`` in shards of ``batch_size``; existing shards are kept (resume).
+
+    ``generate=False`` only collects the shards already written (train on the data so far). ``first_shard`` lets a
+    second worker process start further along the same plan (workers never write the same shard concurrently
+    unless they meet; shard writes are atomic, so even then nothing breaks).
+    """
     directory.mkdir(parents=True, exist_ok=True)
     batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
+    if not generate:
+        return [p for i in range(len(batches)) if (p := shard_path(directory, split, i)).exists()]
     paths = []
-    todo = [i for i in range(len(batches)) if not shard_path(directory, split, i).exists()]
-    bar = tqdm(total=len(batches), initial=len(batches) - len(todo), desc=f"self-distill {split}", unit="shard")
-    for index in range(len(batches)):
+    todo = [i for i in range(first_shard, len(batches)) if not shard_path(directory, split, i).exists()]
+    bar = tqdm(total=len(batches) - first_shard, initial=len(batches) - first_shard - len(todo), desc=f"self-distill {split}", unit="shard")
+    for index in range(first_shard, len(batches)):
         path = shard_path(directory, split, index)
         paths.append(path)
         if path.exists():

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -11,7 +13,20 @@ from kangaroo_core.config import DecodeConfig
 from kangaroo_core.errors import KangarooError
 from kangaroo_core.hookspecs import hookimpl
 from kangaroo_core.interfaces import Backend, SelfDrafter
-from kangaroo_plugins.adapter import KangarooAdapter
+from kangaroo_plugins.adapter import METADATA_FILE, KangarooAdapter
+
+#: Trained adapters shipped with kangaroo (one directory each); picked by base-model fingerprint and exit layer.
+SHIPPED_ADAPTERS = Path(__file__).resolve().parent / "adapters"
+UNTRAINED = "untrained"
+
+
+def shipped_adapter_for(fingerprint: str, exit_layer: int) -> Path | None:
+    """The shipped adapter trained for this base model at this exit layer, if there is one."""
+    for meta_path in sorted(SHIPPED_ADAPTERS.glob(f"*/{METADATA_FILE}")):
+        meta = json.loads(meta_path.read_text())
+        if meta.get("base_model_fingerprint") == fingerprint and meta.get("exit_layer") == exit_layer:
+            return meta_path.parent
+    return None
 
 
 class KangarooDrafter(SelfDrafter):
@@ -21,8 +36,9 @@ class KangarooDrafter(SelfDrafter):
     backend's exported adapter graph; the drafting logic is the same.
 
     Args:
-        adapter: an adapter directory (``adapter.safetensors`` + ``adapter.json``), or None for an untrained adapter
-            initialised from layer l's attention (output stays lossless, acceptance is low).
+        adapter: an adapter directory (``adapter.safetensors`` + ``adapter.json``); None for the shipped adapter of
+            this base model and exit layer when there is one (else an untrained adapter); ``"untrained"`` for an
+            adapter initialised from layer l's attention (output stays lossless, acceptance is low).
     """
 
     name = "kangaroo"
@@ -30,27 +46,36 @@ class KangarooDrafter(SelfDrafter):
     def __init__(self, adapter: str | None = None):
         self.adapter_path = adapter
         self.adapter: KangarooAdapter | None = None
-        self.trained = adapter is not None
 
     @classmethod
     def create(cls, config: DecodeConfig, **options: Any) -> "KangarooDrafter":
         return cls(**options)
 
+    def resolve_adapter(self, backend: Backend) -> str | None:
+        """The adapter directory to load for ``backend`` (None: an untrained adapter)."""
+        if self.adapter_path == UNTRAINED:
+            return None
+        if self.adapter_path is not None:
+            return self.adapter_path
+        shipped = shipped_adapter_for(backend.fingerprint, backend.exit_layer)
+        return str(shipped) if shipped else None
+
     def bind(self, backend: Backend) -> None:
+        self.resolved_adapter = self.resolve_adapter(backend)
         factory = getattr(backend, "adapter_runner", None)
         if factory is not None:  # e.g. the onnx backend: the adapter + shared head run as one exported graph
             self.adapter, self.lm_head, self.cache = None, None, None
-            self.runner = factory(self.adapter_path)
+            self.runner = factory(self.resolved_adapter)
             self.seen = 0
             return
         model = getattr(backend, "model", None)
         if model is None or not hasattr(backend, "lm_head"):
             raise KangarooError(f"the kangaroo drafter needs a PyTorch backend or one with adapter_runner(), not '{backend.name}'")
-        if self.adapter_path is None:
+        if self.resolved_adapter is None:
             self.adapter = KangarooAdapter.from_base_layer(model, backend.exit_layer)
         else:
             self.adapter = KangarooAdapter.load(
-                self.adapter_path, model, base_fingerprint=backend.fingerprint, exit_layer=backend.exit_layer
+                self.resolved_adapter, model, base_fingerprint=backend.fingerprint, exit_layer=backend.exit_layer
             )
         self.adapter.eval()
         self.lm_head = backend.lm_head

@@ -201,8 +201,11 @@ def _latest_checkpoint(root: Path) -> Path | None:
 
 # -- the pipeline ---------------------------------------------------------------------------------------------------
 def train_adapter(backend, prompts_file: str | Path, work_dir: str | Path, out_dir: str | Path, config: TrainConfig,
-                  *, command_line: str = "", log=lambda m: print(m, file=sys.stderr)) -> dict:
-    """Run (or resume) the whole pipeline for ``backend``'s model; returns the training report."""
+                  *, command_line: str = "", log=lambda m: print(m, file=sys.stderr), generate: bool = True) -> dict:
+    """Run (or resume) the whole pipeline for ``backend``'s model; returns the training report.
+
+    ``generate=False`` trains on the training shards recorded so far (the held-out shards must exist).
+    """
     if not 1 <= config.exit_layer < backend.num_layers:
         raise KangarooError(f"exit_layer must be in [1, {backend.num_layers - 1}], got {config.exit_layer}")
     work, out = Path(work_dir), Path(out_dir)
@@ -228,8 +231,10 @@ def train_adapter(backend, prompts_file: str | Path, work_dir: str | Path, out_d
     t0 = time.perf_counter()
     shard_kwargs = dict(layers=config.layers(), batch_size=config.generation_batch_size,
                         max_new_tokens=config.max_new_tokens, top_k=config.top_k, eos_ids=set(backend.eos_token_ids))
-    train_paths = build_shards(model, tokenizer, train_prompts, work / "shards", "train", **shard_kwargs)
     heldout_paths = build_shards(model, tokenizer, heldout_prompts, work / "shards", "heldout", **shard_kwargs)
+    train_paths = build_shards(model, tokenizer, train_prompts, work / "shards", "train", generate=generate, **shard_kwargs)
+    if not train_paths:
+        raise KangarooError(f"no training shards in {work / 'shards'} yet")
     timings["data"] = time.perf_counter() - t0
     train_records = list(load_shards(train_paths, config.exit_layer))
     heldout_records = list(load_shards(heldout_paths, config.exit_layer))
@@ -292,7 +297,7 @@ def train_adapter(backend, prompts_file: str | Path, work_dir: str | Path, out_d
         "config": attrs.asdict(config),
         "model": backend.model_name,
         "base_model_fingerprint": backend.fingerprint,
-        "data": {"train_prompts": len(train_prompts), "heldout_prompts": len(heldout_prompts),
+        "data": {"train_prompts": sum(1 for _ in train_records), "heldout_prompts": len(heldout_records),
                  "train_tokens": count(train_records), "train_response_tokens": response(train_records),
                  "heldout_tokens": count(heldout_records), "heldout_response_tokens": response(heldout_records)},
         "wall_seconds": timings,

@@ -186,3 +186,23 @@ def test_console_script_prints_no_traceback():
     assert proc.returncode == 1
     assert proc.stderr.strip() == "kangaroo: error: eta must be in [0, 1], got 7.0"
     assert "Traceback" not in proc.stderr
+
+
+def test_shipped_adapter_is_the_default_for_its_base_model(tmp_path, engine, tiny_model_dir, monkeypatch):
+    from kangaroo_plugins import kangaroo_drafter
+
+    shipped = tmp_path / "shipped"
+    adapter = KangarooAdapter.from_base_layer(engine.backend.model, 2)
+    with torch.no_grad():
+        adapter.output_norm.weight.mul_(3.0)  # distinguishable from the untrained initialisation
+    adapter.save(shipped / "tiny-l2", base_fingerprint=engine.backend.fingerprint, exit_layer=2)
+    monkeypatch.setattr(kangaroo_drafter, "SHIPPED_ADAPTERS", shipped)
+    default = kangaroo_drafter.KangarooDrafter()
+    default.bind(engine.backend)
+    assert default.resolved_adapter == str(shipped / "tiny-l2")
+    assert torch.equal(default.adapter.output_norm.weight, adapter.output_norm.weight)
+    untrained = kangaroo_drafter.KangarooDrafter(adapter="untrained")
+    untrained.bind(engine.backend)
+    assert untrained.resolved_adapter is None
+    other_layer = Engine.build(str(tiny_model_dir), config=DecodeConfig(exit_layer=1, max_new_tokens=4))
+    assert other_layer.drafter.resolved_adapter is None  # no shipped adapter for exit layer 1
