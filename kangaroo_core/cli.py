@@ -193,7 +193,7 @@ def _adapter_specs(text: str | None):
 @click.option("--adapters", default=None,
               help="Comma-separated adapter directories to compare, each at the exit layer in its adapter.json.")
 @click.option("--model", default=None, help="Local HF model directory or GGUF file (default: SmolLM2-135M-Instruct).")
-@click.option("--adapter", default=None, help="Adapter directory for the kangaroo method. Default: untrained adapter.")
+@click.option("--adapter", default=None, help="Adapter directory for the kangaroo method. Default: the shipped adapter for the model and exit layer, else untrained.")
 @click.option("--eta", type=float, default=0.6, show_default=True)
 @click.option("--gamma", type=int, default=6, show_default=True)
 @click.option("--exit-layer", type=int, default=2, show_default=True)
