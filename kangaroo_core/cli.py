@@ -300,8 +300,10 @@ def bench(questions_file, out_dir, methods, max_new_tokens, limit_per_subtask, r
 @click.option("--separate-head", is_flag=True, help="Ablation: own LM head instead of the shared one.")
 @click.option("--record-layers", default="", help="Also record these layers' states (e.g. 1,3,4) for an exit-layer sweep on the same data.")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--skip-generation", is_flag=True, help="Train on the answers recorded so far in the work directory (no new generation).")
 def train_adapter_command(out_dir, model, prompts_file, work_dir, exit_layer, num_prompts, heldout_prompts, max_new_tokens,
-                          generation_batch_size, top_k, epochs, batch_size, lr, ffn, separate_head, record_layers, seed) -> None:
+                          generation_batch_size, top_k, epochs, batch_size, lr, ffn, separate_head, record_layers, seed,
+                          skip_generation) -> None:
     """Train a Kangaroo adapter by self-distillation (resumable; progress bars with ETA)."""
     from kangaroo_backends.loading import cache_dir
     from kangaroo_backends.torch_eager import TorchBackend
@@ -318,7 +320,8 @@ def train_adapter_command(out_dir, model, prompts_file, work_dir, exit_layer, nu
     backend = TorchBackend.create(DecodeConfig(exit_layer=exit_layer), model=model)
     work = work_dir or cache_dir() / "train" / backend.fingerprint
     _eprint(f"kangaroo: work directory {work} (re-run the same command to resume)")
-    report = train_adapter(backend, prompts_file, work, out_dir, config, command_line=" ".join(["kangaroo", *sys.argv[1:]]), log=_eprint)
+    report = train_adapter(backend, prompts_file, work, out_dir, config, command_line=" ".join(["kangaroo", *sys.argv[1:]]), log=_eprint,
+                           generate=not skip_generation)
     final = report["final"]
     _eprint(f"kangaroo: adapter written to {out_dir}: held-out top-1 agreement {final['top1_agreement']:.3f}, "
             f"CR {final['cr']:.2f} (eta={config.eta}, gamma={config.gamma})")
