@@ -12,6 +12,7 @@ Pipeline (``train_adapter``), each stage resumable inside one work directory:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -255,8 +256,10 @@ def train_adapter(backend, prompts_file: str | Path, work_dir: str | Path, out_d
     warmup = max(1, int(total_steps * config.warmup_fraction))
     schedule = lambda step: min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, step / total_steps)))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    checkpoints = work / f"checkpoints-l{config.exit_layer}{'-ffn' if config.ffn else ''}{'-sephead' if config.separate_head else ''}"
-    checkpoints.mkdir(exist_ok=True)
+    # one checkpoint series per (training configuration, data): a run with other settings never resumes this one
+    run_key = json.dumps({**attrs.asdict(config), "train_shards": [p.name for p in train_paths]}, sort_keys=True)
+    checkpoints = work / "checkpoints" / hashlib.sha256(run_key.encode()).hexdigest()[:16]
+    checkpoints.mkdir(parents=True, exist_ok=True)
     history: list[dict] = []
     latest = _latest_checkpoint(checkpoints)
     if latest is not None:
