@@ -43,7 +43,11 @@ def cli() -> None:
 @click.option("--eta", type=float, default=0.6, show_default=True, help="Keep drafting while the draft's top-1 probability > eta.")
 @click.option("--gamma", type=int, default=6, show_default=True, help="At most this many drafts per round.")
 @click.option("--exit-layer", type=int, default=2, show_default=True, help="The drafter reads the target's states after this many layers.")
-@click.option("--policy", default="threshold", show_default=True, help="Stopping policy plugin.")
+@click.option("--policy", default="threshold", show_default=True,
+              help="Stopping policy plugin: threshold, fixed, adaptive, learned (needs --policy-option predictor=DIR) "
+                   "or oracle (ANALYSIS UPPER BOUND: runs the target alone first to know its continuation).")
+@click.option("--policy-option", "policy_options", multiple=True, metavar="KEY=VALUE",
+              help="Option for the policy plugin (repeatable), e.g. predictor=DIR, draft_cost=0.3, pivot=0.8.")
 @click.option("--drafter", default="kangaroo", show_default=True, help="Drafter plugin.")
 @click.option("--verifier", default="auto", show_default=True,
               help="Verifier plugin; auto: greedy at temperature 0, speculative (rejection sampling) otherwise.")
@@ -61,7 +65,7 @@ def cli() -> None:
 @click.option("--compare", is_flag=True, help="Run the target alone, then Kangaroo, and print both speeds side by side.")
 @click.option("--no-chat", is_flag=True, help="Use the prompt as raw text (no chat template).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
-def generate(prompt, model, adapter, max_new_tokens, eta, gamma, exit_layer, policy, drafter, verifier, backend, dtype,
+def generate(prompt, model, adapter, max_new_tokens, eta, gamma, exit_layer, policy, policy_options, drafter, verifier, backend, dtype,
              provider, onnx_dir, temperature, top_k, top_p, seed, draft_sampling, vanilla, compare, no_chat, as_json) -> None:
     """Generate a continuation of PROMPT, streaming text as drafts are accepted."""
     from kangaroo_core.engine import Engine
@@ -86,6 +90,7 @@ def generate(prompt, model, adapter, max_new_tokens, eta, gamma, exit_layer, pol
         verifier=verifier,
         adapter=adapter,
         backend_options=backend_options or None,
+        policy_options=parse_key_values(policy_options, "--policy-option") or None,
     )
     chat = not no_chat
     if compare:
@@ -102,6 +107,21 @@ def generate(prompt, model, adapter, max_new_tokens, eta, gamma, exit_layer, pol
         sys.stdout.flush()
     click.echo()
     _eprint(format_stats(stream.result, label))
+
+
+def parse_key_values(items, flag: str) -> dict:
+    """KEY=VALUE strings to a dict; values that parse as JSON numbers/booleans are converted."""
+    options = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise KangarooError(f"{flag} takes KEY=VALUE, got {item!r}")
+        try:
+            parsed = json.loads(value)
+            options[key.strip()] = parsed if isinstance(parsed, (int, float, bool)) else value
+        except json.JSONDecodeError:
+            options[key.strip()] = value
+    return options
 
 
 def _compare(engine, prompt: str, chat: bool, as_json: bool) -> None:
@@ -325,6 +345,38 @@ def train_adapter_command(out_dir, model, prompts_file, work_dir, exit_layer, nu
     final = report["final"]
     _eprint(f"kangaroo: adapter written to {out_dir}: held-out top-1 agreement {final['top1_agreement']:.3f}, "
             f"CR {final['cr']:.2f} (eta={config.eta}, gamma={config.gamma})")
+
+
+@cli.command("train-policy")
+@click.option("--out", "out_dir", required=True, help="Output directory (predictor.safetensors + predictor.json).")
+@click.option("--model", default=None, help="Local HF model directory or GGUF file (default: SmolLM2-135M-Instruct).")
+@click.option("--adapter", default=None, help="Adapter directory (default: the shipped adapter for this model, as for generate).")
+@click.option("--prompts", "prompts_file", default="../shared/data/train_prompts.jsonl", show_default=True,
+              help="JSONL training prompts ({id, prompt, category} or ShareGPT-style). Never Spec-Bench.")
+@click.option("--num-prompts", type=int, default=64, show_default=True)
+@click.option("--gamma", type=int, default=6, show_default=True, help="Drafts per round of the fixed-gamma runs.")
+@click.option("--exit-layer", type=int, default=2, show_default=True)
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--steps", type=int, default=300, show_default=True, help="Gradient-descent steps of the fit.")
+@click.option("--lr", type=float, default=0.1, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+def train_policy_command(out_dir, model, adapter, prompts_file, num_prompts, gamma, exit_layer, max_new_tokens, steps, lr,
+                         seed) -> None:
+    """Fit the learned policy's acceptance predictor on fixed-gamma greedy runs over training prompts."""
+    from kangaroo_core.plugins import get_registry
+    from kangaroo_policies.predictor import train_predictor
+
+    config = DecodeConfig(gamma=gamma, exit_layer=exit_layer, max_new_tokens=max_new_tokens)
+    if num_prompts < 1 or steps < 1:
+        raise KangarooError("--num-prompts and --steps must be >= 1")
+    backend = get_registry().resolve("backend", "torch").create(config, model=model)
+    drafter = get_registry().resolve("drafter", "kangaroo").create(config, **({"adapter": adapter} if adapter else {}))
+    report = train_predictor(backend, drafter, prompts_file, out_dir, num_prompts=num_prompts, gamma=gamma,
+                             max_new_tokens=max_new_tokens, steps=steps, lr=lr, seed=seed,
+                             command_line=" ".join(["kangaroo", *_argv]), log=_eprint)
+    _eprint(f"kangaroo: predictor written to {out_dir}: {report['samples']} samples, accept rate "
+            f"{report['accept_rate']:.3f}, log loss {report['train_log_loss']:.3f} (constant {report['constant_log_loss']:.3f})")
+    click.echo(out_dir)
 
 
 @cli.command("export-onnx")

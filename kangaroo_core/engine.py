@@ -73,6 +73,7 @@ class Engine:
         self.backend, self.drafter, self.policy, self.verifier, self.config = backend, drafter, policy, verifier, config
         if drafter is not None:
             drafter.bind(backend)
+        policy.bind(backend)
 
     @classmethod
     def build(
@@ -159,6 +160,8 @@ class Engine:
         self._check_fits(len(prompt_ids), max_new_tokens)
         backend, drafter = self.backend, self.drafter
         eos = backend.eos_token_ids
+        if drafter is not None:  # not timed: e.g. the oracle's reference run of the target alone
+            self.policy.prepare(self, list(prompt_ids), max_new_tokens)
         started = time.perf_counter()
         backend.reset()
         if drafter is not None:
@@ -241,7 +244,7 @@ class Engine:
         drafts: list[DraftStep] = []
         if max_drafts == 0:
             return drafts, unseen
-        self.policy.begin_round()
+        self.policy.start_round(tokens)
         sampling = self.config.sampling
         sample_drafts = sampling.sample_drafts and not sampling.greedy
         if sample_drafts and generator is None:

@@ -39,3 +39,7 @@ class ProviderError(KangarooError):
 
 class BenchError(KangarooError):
     """A benchmark input is unusable: bad questions file, unknown bench method, bad sweep value."""
+
+
+class PredictorMismatchError(KangarooError):
+    """A stopping-policy predictor file made for another base model or exit layer, or malformed."""

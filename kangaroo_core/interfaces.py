@@ -131,8 +131,22 @@ class StoppingPolicy(abc.ABC):
     def create(cls, config: "DecodeConfig", **options: Any) -> "StoppingPolicy":
         return cls(**options)
 
+    def bind(self, backend: Backend) -> None:
+        """Called once when the engine is built, with the loaded backend (e.g. to check a file made for a base model)."""
+
+    def prepare(self, engine: Any, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
+        """Called once at the start of each generation, before any cache is reset (e.g. to compute a reference)."""
+
+    def start_round(self, tokens: Sequence[int]) -> None:
+        """Called before the first draft of each round with the committed sequence (prompt + output so far).
+
+        The first draft will be proposed for position ``len(tokens)``. The default calls :meth:`begin_round`, so
+        policies that do not need the position only implement that.
+        """
+        self.begin_round()
+
     def begin_round(self) -> None:
-        """Called before the first draft of each round."""
+        """Called before the first draft of each round (by the default :meth:`start_round`)."""
 
     @abc.abstractmethod
     def keep_drafting(self, step: "DraftStep") -> bool:

@@ -11,7 +11,7 @@ from kangaroo_core.plugins import KINDS, Registry
 from plugin_fixtures import (BROKEN_ON_IMPORT, DUPLICATE_THRESHOLD, ENTROPY_POLICY, RAISES_IN_HOOK, activate,
                              install_fake_distribution)
 
-BUILTINS = {"backend": ["onnx", "torch"], "drafter": ["kangaroo"], "policy": ["threshold"], "verifier": ["greedy", "speculative"],
+BUILTINS = {"backend": ["onnx", "torch"], "drafter": ["kangaroo"], "policy": ["adaptive", "fixed", "learned", "oracle", "threshold"], "verifier": ["greedy", "speculative"],
             "bench_method": ["hf_early_exit", "hf_prompt_lookup", "hf_vanilla", "kangaroo", "vanilla"]}
 
 
@@ -29,6 +29,7 @@ def test_builtins_come_from_entry_points():
     report = {p["name"]: p for p in registry.report()}
     assert report["torch"]["distribution"] == "kangaroo-decoding"
     assert report["threshold"]["registers"] == {"policy": ["threshold"]}
+    assert report["learned"]["registers"] == {"policy": ["learned"]} and report["oracle"]["registers"] == {"policy": ["oracle"]}
     assert all(not p["errors"] for p in report.values())
 
 
@@ -42,7 +43,7 @@ def test_resolve_returns_the_registered_classes():
 
 def test_unknown_name_lists_the_known_ones():
     registry = Registry().load_entry_points()
-    with pytest.raises(PluginError, match=r"unknown policy 'nope'; known policy plugins: threshold$"):
+    with pytest.raises(PluginError, match=r"unknown policy 'nope'; known policy plugins: adaptive, fixed, learned, oracle, threshold$"):
         registry.resolve("policy", "nope")
 
 
