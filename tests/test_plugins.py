@@ -15,6 +15,11 @@ BUILTINS = {"backend": ["onnx", "torch"], "drafter": ["kangaroo"], "policy": ["a
             "bench_method": ["hf_early_exit", "hf_prompt_lookup", "hf_vanilla", "kangaroo", "vanilla"]}
 
 
+def builtin_names(registry, kind):
+    """Names registered by this distribution (the docs' example packages are installed next to it in CI)."""
+    return sorted(n for n in registry.names(kind) if registry._entries[kind][n].source.distribution == "kangaroo-decoding")
+
+
 @pytest.fixture
 def fresh_global_registry(monkeypatch):
     monkeypatch.setattr(plugins, "_registry", None)
@@ -25,7 +30,7 @@ def fresh_global_registry(monkeypatch):
 def test_builtins_come_from_entry_points():
     registry = Registry().load_entry_points()
     for kind, names in BUILTINS.items():
-        assert registry.names(kind) == names
+        assert builtin_names(registry, kind) == names
     report = {p["name"]: p for p in registry.report()}
     assert report["torch"]["distribution"] == "kangaroo-decoding"
     assert report["threshold"]["registers"] == {"policy": ["threshold"]}
@@ -43,7 +48,7 @@ def test_resolve_returns_the_registered_classes():
 
 def test_unknown_name_lists_the_known_ones():
     registry = Registry().load_entry_points()
-    with pytest.raises(PluginError, match=r"unknown policy 'nope'; known policy plugins: adaptive, fixed, learned, oracle, threshold$"):
+    with pytest.raises(PluginError, match=r"unknown policy 'nope'; known policy plugins: (.*, )?threshold(, .*)?$"):
         registry.resolve("policy", "nope")
 
 
@@ -82,7 +87,7 @@ def test_broken_plugins_are_reported_and_the_rest_keeps_working(tmp_path, monkey
     assert "RuntimeError: this plugin is broken on purpose" in report["broken"]["errors"][0]
     assert "register_verifiers raised ValueError: hook exploded" in report["hook-raises"]["errors"][0]
     for kind, names in BUILTINS.items():
-        assert registry.names(kind) == names
+        assert builtin_names(registry, kind) == names
 
 
 def test_registering_a_non_subclass_is_reported():
