@@ -175,25 +175,11 @@ class OnnxBackend(Backend):
 
     def __init__(self, model, tokenizer, exit_layer: int, model_name: str = "model", *, provider: str = "auto",
                  bundle: str | Path | None = None, threads: int | None = None, quiet: bool = False):
-        from kangaroo_backends.torch_eager import model_fingerprint
+        from kangaroo_backends.torch_eager import describe_split_model
 
         self.ort = import_onnxruntime()
-        config = model.config
-        self.num_layers = config.num_hidden_layers
-        if not 1 <= exit_layer < self.num_layers:
-            raise ConfigError(f"exit_layer must be in [1, {self.num_layers - 1}] for this {self.num_layers}-layer model, got {exit_layer}")
-        self.model = model.eval()  # kept for exporting and for validating adapters; never run per token
-        self.tokenizer = tokenizer
-        self.exit_layer = exit_layer
-        self.model_name = model_name
-        self.vocab_size = config.vocab_size
-        self.hidden_size = config.hidden_size
-        self.max_context = config.max_position_embeddings
-        self.fingerprint = model_fingerprint(model)
-        eos = model.generation_config.eos_token_id
-        if eos is None:
-            eos = tokenizer.eos_token_id
-        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else list(eos or []))
+        # self.model is kept for exporting and for validating adapters; it never runs per token
+        describe_split_model(self, model, tokenizer, exit_layer, model_name)
         self.provider = resolve_provider(self.ort, provider)
         self.device = torch.device("cuda", 0) if self.provider == PROVIDERS["cuda"] else torch.device("cpu")
         self.bundle = Path(bundle).expanduser() if bundle is not None else None

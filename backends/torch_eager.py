@@ -34,6 +34,26 @@ def model_fingerprint(model) -> str:
     return digest.hexdigest()[:16]
 
 
+def describe_split_model(backend: Backend, model, tokenizer, exit_layer: int, model_name: str) -> None:
+    """Set the identity attributes every backend of a transformers model shares (and check the exit layer)."""
+    config = model.config
+    backend.num_layers = config.num_hidden_layers
+    if not 1 <= exit_layer < backend.num_layers:
+        raise ConfigError(f"exit_layer must be in [1, {backend.num_layers - 1}] for this {backend.num_layers}-layer model, got {exit_layer}")
+    backend.model = model.eval()
+    backend.tokenizer = tokenizer
+    backend.exit_layer = exit_layer
+    backend.model_name = model_name
+    backend.vocab_size = config.vocab_size
+    backend.hidden_size = config.hidden_size
+    backend.max_context = config.max_position_embeddings
+    backend.fingerprint = model_fingerprint(model)
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    backend.eos_token_ids = frozenset([eos] if isinstance(eos, int) else list(eos or []))
+
+
 class TorchBackend(Backend):
     """The target model in eager PyTorch (CPU or CUDA)."""
 
@@ -41,23 +61,9 @@ class TorchBackend(Backend):
 
     def __init__(self, model, tokenizer, exit_layer: int, model_name: str = "model"):
         config = model.config
-        self.num_layers = config.num_hidden_layers
-        if not 1 <= exit_layer < self.num_layers:
-            raise ConfigError(f"exit_layer must be in [1, {self.num_layers - 1}] for this {self.num_layers}-layer model, got {exit_layer}")
-        self.model = model.eval()
-        self.tokenizer = tokenizer
-        self.exit_layer = exit_layer
-        self.model_name = model_name
-        self.vocab_size = config.vocab_size
-        self.hidden_size = config.hidden_size
-        self.max_context = config.max_position_embeddings
+        describe_split_model(self, model, tokenizer, exit_layer, model_name)
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
-        self.fingerprint = model_fingerprint(model)
-        eos = model.generation_config.eos_token_id
-        if eos is None:
-            eos = tokenizer.eos_token_id
-        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else list(eos or []))
         inner = model.model
         self.embed_tokens = inner.embed_tokens
         self.rotary_emb = inner.rotary_emb

@@ -176,7 +176,6 @@ def train_predictor(backend, drafter, prompts_file: str | Path, out_dir: str | P
     from kangaroo_core.engine import Engine
     from kangaroo_plugins.distill import read_prompts
     from kangaroo_plugins.greedy_verifier import GreedyVerifier
-    from kangaroo_policies.fixed import FixedPolicy
 
     if "specbench" in Path(prompts_file).name.lower().replace("-", "").replace("_", ""):
         raise PredictorMismatchError(f"refusing to train on {prompts_file}: Spec-Bench is for evaluation only")
