@@ -58,6 +58,16 @@ def save_tiny_model(directory: Path, *, seed: int = 0, layers: int = 4, hidden: 
     return directory
 
 
+@pytest.fixture
+def fresh_global_registry(monkeypatch):
+    """A process-wide plugin registry rebuilt from entry points for this test, dropped afterwards."""
+    from kangaroo_core import plugins
+
+    monkeypatch.setattr(plugins, "_registry", None)
+    yield
+    plugins._registry = None
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Tiny models: intra-op threads only add synchronisation overhead (milliseconds per op on a busy 2-core box)."""

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kangaroo_core import DecodeConfig, plugins
+from kangaroo_core import DecodeConfig
 from kangaroo_core.cli import main
 from kangaroo_core.engine import Engine
 
@@ -26,13 +26,6 @@ PACKAGES = [
     ("kangaroo-prompt-lookup", "prompt-lookup", "drafter", "prompt-lookup", "kangaroo_prompt_lookup"),
 ]
 PROMPT = "the cat runs and the cat runs and the cat"
-
-
-@pytest.fixture
-def fresh_global_registry(monkeypatch):
-    monkeypatch.setattr(plugins, "_registry", None)
-    yield
-    plugins._registry = None
 
 
 def test_every_example_package_is_tested_here():

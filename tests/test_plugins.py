@@ -20,13 +20,6 @@ def builtin_names(registry, kind):
     return sorted(n for n in registry.names(kind) if registry._entries[kind][n].source.distribution == "kangaroo-decoding")
 
 
-@pytest.fixture
-def fresh_global_registry(monkeypatch):
-    monkeypatch.setattr(plugins, "_registry", None)
-    yield
-    plugins._registry = None
-
-
 def test_builtins_come_from_entry_points():
     registry = Registry().load_entry_points()
     for kind, names in BUILTINS.items():
