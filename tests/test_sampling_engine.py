@@ -5,7 +5,6 @@ greedy verifier is refused when it would not be lossless."""
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
