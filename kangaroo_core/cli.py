@@ -195,6 +195,28 @@ def _adapter_specs(text: str | None):
     return specs, points
 
 
+def parse_policy_list(text: str | None, flag: str = "--policies") -> list[tuple[str, str, dict]]:
+    """``fixed,threshold,learned:predictor=DIR:draft_cost=0.2`` → ``(label, policy name, options)`` per item."""
+    from kangaroo_core.plugins import get_registry
+
+    items = []
+    known = get_registry().names("policy")
+    for raw in [x.strip() for x in (text or "").split(",") if x.strip()]:
+        name, *pairs = raw.split(":")
+        if name not in known:
+            raise KangarooError(f"{flag}: unknown policy {name!r}; known policies: {', '.join(known)}")
+        items.append((raw, name, parse_key_values(pairs, f"{flag} ({name})")))
+    return items
+
+
+def _policy_specs(text: str | None):
+    """``--policies`` of ``kangaroo bench``: one kangaroo column per policy."""
+    from kangaroo_core.bench.harness import MethodSpec
+
+    return [MethodSpec(f"kangaroo[policy={label}]", "kangaroo", {"policy": name, "policy_options": options})
+            for label, name, options in parse_policy_list(text)]
+
+
 @cli.command()
 @click.option("--questions", "questions_file", default=DEFAULT_QUESTIONS, show_default=True,
               help="Spec-Bench-format JSONL (question_id, turns, subtask or category).")
@@ -212,12 +234,19 @@ def _adapter_specs(text: str | None):
 @click.option("--sweep-gamma", default=None, help="Comma-separated gamma values for the sweep (default: --gamma).")
 @click.option("--adapters", default=None,
               help="Comma-separated adapter directories to compare, each at the exit layer in its adapter.json.")
+@click.option("--policies", default=None,
+              help="Comma-separated stopping policies to compare, one kangaroo column each; options as "
+                   "NAME:KEY=VALUE[:KEY=VALUE], e.g. learned:predictor=DIR.")
+@click.option("--baseline", default="hf_vanilla", show_default=True,
+              help="Method label the speedups are relative to (identity is always checked against hf_vanilla).")
 @click.option("--model", default=None, help="Local HF model directory or GGUF file (default: SmolLM2-135M-Instruct).")
 @click.option("--adapter", default=None, help="Adapter directory for the kangaroo method. Default: the shipped adapter for the model and exit layer, else untrained.")
 @click.option("--eta", type=float, default=0.6, show_default=True)
 @click.option("--gamma", type=int, default=6, show_default=True)
 @click.option("--exit-layer", type=int, default=2, show_default=True)
 @click.option("--policy", default="threshold", show_default=True)
+@click.option("--policy-option", "policy_options", multiple=True, metavar="KEY=VALUE",
+              help="Option for --policy (repeatable), e.g. predictor=DIR for the learned policy.")
 @click.option("--drafter", default="kangaroo", show_default=True)
 @click.option("--verifier", default="auto", show_default=True)
 @click.option("--backend", default="torch", show_default=True)
@@ -228,8 +257,8 @@ def _adapter_specs(text: str | None):
 @click.option("--seed", type=int, default=None)
 @click.option("--draft-sampling", is_flag=True)
 def bench(questions_file, out_dir, methods, max_new_tokens, limit_per_subtask, repeats, no_warmup, no_progress,
-          threads, sweep_eta, sweep_gamma, adapters, model, adapter, eta, gamma, exit_layer, policy, drafter, verifier, backend,
-          dtype, temperature, top_k, top_p, seed, draft_sampling) -> None:
+          threads, sweep_eta, sweep_gamma, adapters, policies, baseline, model, adapter, eta, gamma, exit_layer, policy,
+          policy_options, drafter, verifier, backend, dtype, temperature, top_k, top_p, seed, draft_sampling) -> None:
     """Benchmark every method on Spec-Bench questions: results.json, results.md, plots in --out."""
     import datetime
     import shlex
@@ -252,8 +281,11 @@ def bench(questions_file, out_dir, methods, max_new_tokens, limit_per_subtask, r
     questions = load_questions(questions_file, limit_per_subtask)
     etas, gammas = _float_list(sweep_eta, "--sweep-eta"), _int_list(sweep_gamma, "--sweep-gamma")
     adapter_specs, adapter_points = _adapter_specs(adapters)
+    policy_specs = _policy_specs(policies)
+    options = parse_key_values(policy_options, "--policy-option")
     sweeping = bool(etas or gammas)
-    specs = parse_methods(methods if methods is not None or not (sweeping or adapter_specs) else "hf_vanilla")
+    only_variants = methods is None and (sweeping or adapter_specs or policy_specs)
+    specs = parse_methods("hf_vanilla" if only_variants else methods)
     sweep_points = []
     if sweeping:
         for g in gammas or [gamma]:
@@ -262,13 +294,16 @@ def bench(questions_file, out_dir, methods, max_new_tokens, limit_per_subtask, r
                 label = f"kangaroo[eta={e:g},gamma={g}]"
                 specs.append(MethodSpec(label, "kangaroo", {"eta": e, "gamma": g}))
                 sweep_points.append({"label": label, "eta": e, "gamma": g})
-    specs += adapter_specs
+    specs += adapter_specs + policy_specs
+    if baseline not in [s.label for s in specs]:
+        raise KangarooError(f"--baseline {baseline!r} is not one of the measured methods: {', '.join(s.label for s in specs)}")
     backend_options = {"model": model, **({"dtype": dtype} if dtype != "float32" else {})}
     backend_obj = get_registry().resolve("backend", backend).create(config, **backend_options)
-    context = BenchContext(backend_obj, config, drafter=drafter, policy=policy, verifier=verifier, adapter=adapter)
+    context = BenchContext(backend_obj, config, drafter=drafter, policy=policy, verifier=verifier, adapter=adapter,
+                           policy_options=options)
     run = run_bench(context, build_methods(specs, context), questions, max_new_tokens=max_new_tokens, repeats=repeats,
                     warmup=not no_warmup, progress=not no_progress)
-    summary = summarize(run)
+    summary = summarize(run, baseline)
     counts = {s: sum(q.subtask == s for q in questions) for s in run.subtasks}
     info = {
         "command": "kangaroo " + shlex.join(_argv),
@@ -279,6 +314,7 @@ def bench(questions_file, out_dir, methods, max_new_tokens, limit_per_subtask, r
         "max_new_tokens": max_new_tokens,
         "repeats": repeats,
         "config": {"eta": eta, "gamma": gamma, "exit_layer": exit_layer, "adapter": adapter, "policy": policy,
+                   "policy_options": options,
                    "drafter": drafter, "verifier": verifier, "backend": backend, "dtype": dtype,
                    "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed,
                    "draft_sampling": draft_sampling},
@@ -297,7 +333,8 @@ def bench(questions_file, out_dir, methods, max_new_tokens, limit_per_subtask, r
         o, speed = entry["overall"], summary["speedup"][label]["overall"]
         cr = "–" if o["mean_accepted_tokens"] is None else f"{o['mean_accepted_tokens']:.2f}"
         same = {None: "n/a", True: "yes", False: "NO"}[o["identical_to_vanilla"]]
-        _eprint(f"[{label}] {o['tokens_per_second']:.1f} tok/s · speedup {speed:.2f}x · CR {cr} · identical {same}")
+        speed = "–" if speed is None else f"{speed:.2f}x"
+        _eprint(f"[{label}] {o['tokens_per_second']:.1f} tok/s · speedup {speed} vs {baseline} · CR {cr} · identical {same}")
     click.echo(f"wrote {', '.join(str(f) for f in files)}")
 
 
@@ -377,6 +414,62 @@ def train_policy_command(out_dir, model, adapter, prompts_file, num_prompts, gam
     _eprint(f"kangaroo: predictor written to {out_dir}: {report['samples']} samples, accept rate "
             f"{report['accept_rate']:.3f}, log loss {report['train_log_loss']:.3f} (constant {report['constant_log_loss']:.3f})")
     click.echo(out_dir)
+
+
+@cli.command("analyze-policies")
+@click.option("--questions", "questions_file", default=DEFAULT_QUESTIONS, show_default=True,
+              help="Spec-Bench-format JSONL (evaluation questions; nothing is trained on them).")
+@click.option("--out", "out_dir", default="policy-analysis", show_default=True, help="Output directory.")
+@click.option("--policies", default="fixed,threshold,adaptive,oracle", show_default=True,
+              help="Comma-separated policies to replay; options as NAME:KEY=VALUE[:KEY=VALUE], e.g. learned:predictor=DIR.")
+@click.option("--limit-per-subtask", type=int, default=None, help="Only the first K questions of each subtask.")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--gamma", type=int, default=6, show_default=True)
+@click.option("--exit-layer", type=int, default=2, show_default=True)
+@click.option("--model", default=None, help="Local HF model directory or GGUF file (default: SmolLM2-135M-Instruct).")
+@click.option("--adapter", default=None, help="Adapter directory (default: the shipped adapter for this model, as for generate).")
+@click.option("--drafter", default="kangaroo", show_default=True)
+@click.option("--backend", default="torch", show_default=True)
+@click.option("--threads", type=int, default=None, help="torch intra-op threads (default: torch's).")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def analyze_policies_command(questions_file, out_dir, policies, limit_per_subtask, max_new_tokens, gamma, exit_layer,
+                             model, adapter, drafter, backend, threads, no_progress) -> None:
+    """Calibration of the draft confidence, the optimal eta per subtask, and every policy replayed exactly (greedy)."""
+    import shlex
+    from pathlib import Path
+
+    import torch
+
+    from kangaroo_core.bench.questions import load_questions
+    from kangaroo_core.bench.report import write_json
+    from kangaroo_core.engine import Engine
+    from kangaroo_policies.analysis import analysis_markdown, plot_calibration, plot_eta_curves, run_analysis
+
+    if threads is not None:
+        if threads < 1:
+            raise KangarooError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    specs = parse_policy_list(policies)
+    questions = load_questions(questions_file, limit_per_subtask)
+    config = DecodeConfig(gamma=gamma, exit_layer=exit_layer, max_new_tokens=max_new_tokens)
+    engine = Engine.build(model, config=config, backend=backend, drafter=drafter, policy="fixed", adapter=adapter)
+    result = run_analysis(engine, questions, specs, max_new_tokens=max_new_tokens, progress=not no_progress)
+    info = {"command": "kangaroo " + shlex.join(_argv), "model": engine.backend.model_name,
+            "questions": str(questions_file), "max_new_tokens": max_new_tokens, "exit_layer": exit_layer,
+            "adapter": adapter, "drafter": drafter, "backend": backend, "torch_threads": torch.get_num_threads()}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = [write_json(out / "calibration.json", {"run": info, "calibration": result["calibration"]}),
+             write_json(out / "optimal_eta.json", {"run": info, "costs": result["costs"], "eta": result["eta"]}),
+             write_json(out / "policies.json", {"run": info, "costs": result["costs"], "policies": result["policies"]})]
+    plot_calibration(result["calibration"], out / "calibration.png")
+    plot_eta_curves(result["eta"], out / "eta_curves.png")
+    (out / "analysis.md").write_text(analysis_markdown(result, info))
+    files += [out / "calibration.png", out / "eta_curves.png", out / "analysis.md"]
+    for scope, entry in result["eta"].items():
+        _eprint(f"[{scope}] optimal eta {entry['optimal_eta']:g} (predicted speedup {entry['optimal_predicted_speedup']:.3f}), "
+                f"ECE {result['calibration'][scope]['expected_calibration_error']:.3f}")
+    click.echo(f"wrote {', '.join(str(f) for f in files)}")
 
 
 @cli.command("export-onnx")

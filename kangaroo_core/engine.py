@@ -268,6 +268,8 @@ class Engine:
             h = self.backend.shallow([step.token])
             saved.append(h)
             unseen = h
+            if step.token in self.backend.eos_token_ids:  # nothing after an EOS draft could ever be emitted
+                break
             if not self.policy.keep_drafting(step):
                 break
         return drafts, unseen

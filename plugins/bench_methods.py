@@ -31,10 +31,15 @@ class HFGenerate(BenchMethod):
     def generate_kwargs(self, context: BenchContext) -> dict[str, Any]:
         return {}
 
-    def prepare(self, context: BenchContext) -> None:
+    def load_model(self, context: BenchContext) -> Any:
+        """The object whose ``generate`` is measured: the bench's own transformers model."""
         model = context.model
         if model is None or not hasattr(model, "generate"):
             raise KangarooError(f"{self.name} needs a backend holding a transformers model (the torch backend)")
+        return model
+
+    def prepare(self, context: BenchContext) -> None:
+        model = self.load_model(context)
         self.context, self.model = context, model
         sampling = context.config.sampling
         eos = sorted(context.eos_token_ids)
@@ -46,7 +51,9 @@ class HFGenerate(BenchMethod):
                                top_p=sampling.top_p)
         self.seed = sampling.seed
         self.kwargs.update(self.generate_kwargs(context))
-        self.last_layer = getattr(model, model.base_model_prefix).layers[-1]
+        # full-depth passes are counted on the last decoder layer (an ONNX model has none: CR is not reported)
+        base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+        self.last_layer = base.layers[-1] if isinstance(base, torch.nn.Module) else None
 
     @torch.inference_mode()
     def run(self, messages: Messages, max_new_tokens: int) -> MethodResult:
@@ -56,7 +63,7 @@ class HFGenerate(BenchMethod):
         def count(_module, _args):
             passes[0] += 1
 
-        handle = self.last_layer.register_forward_pre_hook(count)
+        handle = self.last_layer.register_forward_pre_hook(count) if self.last_layer is not None else None
         try:
             if self.seed is not None:
                 torch.manual_seed(self.seed)
@@ -65,10 +72,11 @@ class HFGenerate(BenchMethod):
                                       **self.kwargs)
             seconds = time.perf_counter() - started
         finally:
-            handle.remove()
+            if handle is not None:
+                handle.remove()
         new = out[0, ids.shape[1]:].tolist()
         return MethodResult(trim(new, self.context.eos_token_ids, max_new_tokens), seconds,
-                            target_passes=passes[0], generated_tokens=len(new))
+                            target_passes=passes[0] or None, generated_tokens=len(new))
 
 
 class HFPromptLookup(HFGenerate):
@@ -109,26 +117,34 @@ class EngineMethod(BenchMethod):
 
     def run(self, messages: Messages, max_new_tokens: int) -> MethodResult:
         ids = self.engine.encode(list(messages))
-        started = time.perf_counter()
         result = self.engine.generate_ids(ids, max_new_tokens)
-        seconds = time.perf_counter() - started
-        return MethodResult(list(result.token_ids), seconds, rounds=list(result.rounds))
+        # the engine's own clock: prefill + loop, without a policy's untimed preparation (the oracle's reference)
+        return MethodResult(list(result.token_ids), result.seconds, rounds=list(result.rounds))
 
 
 class KangarooMethod(EngineMethod):
-    """Our engine with drafting. Options override the run's config: ``eta``, ``gamma``, ``adapter``, ``exit_layer``."""
+    """Our engine with drafting. Options override the run's choices: ``eta``, ``gamma``, ``adapter``, ``exit_layer``,
+    ``policy`` and ``policy_options`` (a dict; None: the run's ``--policy-option`` values)."""
 
     name = "kangaroo"
 
     def __init__(self, eta: float | None = None, gamma: int | None = None, adapter: str | None = None,
-                 exit_layer: int | None = None):
+                 exit_layer: int | None = None, policy: str | None = None, policy_options: dict | None = None):
         self.eta, self.gamma, self.adapter, self.exit_layer = eta, gamma, adapter, exit_layer
+        self.policy, self.policy_options = policy, policy_options
+
+    def config_for(self, context: BenchContext):
+        changes = {k: v for k, v in (("eta", self.eta), ("gamma", self.gamma), ("exit_layer", self.exit_layer))
+                   if v is not None}
+        return context.config.replace(**changes)
+
+    @property
+    def adapter_or_default(self) -> str | None:
+        return self.adapter if self.adapter is not None else "default"
 
     def make_engine(self, context: BenchContext):
-        changes = {k: v for k, v in (("eta", self.eta), ("gamma", self.gamma)) if v is not None}
-        config = context.config.replace(**changes)
-        return context.engine(config=config, adapter=self.adapter if self.adapter is not None else "default",
-                              exit_layer=self.exit_layer)
+        return context.engine(config=self.config_for(context), adapter=self.adapter_or_default, policy=self.policy,
+                              policy_options=self.policy_options)
 
 
 class VanillaMethod(EngineMethod):
@@ -136,7 +152,8 @@ class VanillaMethod(EngineMethod):
 
 
 #: The built-ins in the order the harness lists them.
-BUILTIN_ORDER = ("hf_vanilla", "hf_prompt_lookup", "hf_early_exit", "vanilla", "kangaroo")
+BUILTIN_ORDER = ("hf_vanilla", "hf_prompt_lookup", "hf_early_exit", "vanilla", "kangaroo", "ort_vanilla",
+                 "vanilla_onnx", "kangaroo_onnx")
 
 
 @hookimpl

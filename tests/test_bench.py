@@ -4,6 +4,8 @@ results.json schema, losslessness of every greedy method, speedups, run-time reg
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 import pytest
 
@@ -18,7 +20,8 @@ QUESTIONS = [
      "subtask": "mt_bench"},
     {"question_id": 7, "category": "qa", "turns": ["what is the cat"], "subtask": "qa"},
 ]
-BUILTIN = ["hf_vanilla", "hf_prompt_lookup", "hf_early_exit", "vanilla", "kangaroo"]
+BUILTIN = ["hf_vanilla", "hf_prompt_lookup", "hf_early_exit", "vanilla", "kangaroo", "ort_vanilla", "vanilla_onnx",
+           "kangaroo_onnx"]
 SEEN: list[list[dict]] = []
 
 
@@ -65,11 +68,17 @@ def smoke(tiny_model_dir, tmp_path_factory, one_torch_thread):
     questions = write_questions(root / "questions.jsonl", QUESTIONS)
     out = root / "out"
     plugins.register_plugin(ThirdPartyPlugin(), "third-party-bench")
+    cache = os.environ.get("KANGAROO_CACHE_DIR")
+    os.environ["KANGAROO_CACHE_DIR"] = str(root / "cache")  # the ONNX methods export into it
     try:
         code = main(["bench", "--questions", str(questions), "--out", str(out), "--model", str(tiny_model_dir),
                      "--max-new-tokens", "8", "--gamma", "3", "--eta", "0"])
     finally:
         plugins.unregister_plugin("third-party-bench")
+        if cache is None:
+            os.environ.pop("KANGAROO_CACHE_DIR")
+        else:
+            os.environ["KANGAROO_CACHE_DIR"] = cache
     assert code == 0
     return out, json.loads((out / "results.json").read_text())
 
@@ -161,6 +170,46 @@ def test_sweeps_and_adapter_comparison_write_json_and_png(tiny_model_dir, tmp_pa
     for name in ("sweep_eta_gamma.png", "adapters.png", "results.md"):
         assert (out / name).stat().st_size > 0
     assert set(results["methods"]) == {"hf_vanilla", *(p["label"] for p in sweep), *(a["label"] for a in adapters)}
+
+
+def test_onnx_methods_export_once_into_the_cache(smoke):
+    out, results = smoke
+    cache = out.parent / "cache"
+    assert (next((cache / "ort").iterdir()) / "model.onnx").is_file()  # optimum's export for ort_vanilla
+    assert any((d / "manifest.json").is_file() for d in (cache / "onnx").iterdir())  # our split graphs
+    assert results["methods"]["ort_vanilla"]["overall"]["mean_accepted_tokens"] is None  # no layers to count
+    assert results["methods"]["kangaroo_onnx"]["overall"]["mean_accepted_tokens"] == pytest.approx(
+        results["methods"]["kangaroo"]["overall"]["mean_accepted_tokens"])  # same drafts, same rounds
+
+
+def test_ort_vanilla_without_optimum_gives_the_install_hint(monkeypatch):
+    from kangaroo_core.errors import MissingDependencyError
+    from kangaroo_plugins.onnx_bench_methods import import_ort_model
+
+    monkeypatch.setitem(sys.modules, "optimum.onnxruntime", None)  # import fails as if not installed
+    with pytest.raises(MissingDependencyError, match=r"pip install 'kangaroo-decoding\[onnx\]'"):
+        import_ort_model()
+
+
+def test_policy_columns_and_baseline(tiny_model_dir, tmp_path, one_torch_thread, capsys):
+    questions = write_questions(tmp_path / "q.jsonl", QUESTIONS[1:])
+    out = tmp_path / "out"
+    code = main(["bench", "--questions", str(questions), "--out", str(out), "--model", str(tiny_model_dir),
+                 "--max-new-tokens", "6", "--no-warmup", "--no-progress", "--threads", "1", "--methods", "vanilla",
+                 "--policies", "fixed,oracle,adaptive:pivot=0.5:eta_unsure=0.9", "--baseline", "vanilla",
+                 "--policy", "threshold", "--policy-option", "eta=0.3"])
+    assert code == 0, capsys.readouterr().err
+    results = json.loads((out / "results.json").read_text())
+    labels = ["kangaroo[policy=fixed]", "kangaroo[policy=oracle]", "kangaroo[policy=adaptive:pivot=0.5:eta_unsure=0.9]"]
+    assert list(results["methods"]) == ["hf_vanilla", "vanilla", *labels]
+    assert results["baseline"] == "vanilla" and results["speedup"]["vanilla"]["overall"] == pytest.approx(1.0)
+    assert all(results["methods"][label]["overall"]["identical_to_vanilla"] for label in labels)
+    assert results["run"]["config"]["policy_options"] == {"eta": 0.3}
+    assert "Speedup vs `vanilla`" in (out / "results.md").read_text()
+    assert main(["bench", "--questions", str(questions), "--model", str(tiny_model_dir), "--baseline", "nope"]) == 1
+    assert "--baseline 'nope' is not one of the measured methods" in capsys.readouterr().err
+    assert main(["bench", "--questions", str(questions), "--model", str(tiny_model_dir), "--policies", "psychic"]) == 1
+    assert "--policies: unknown policy 'psychic'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

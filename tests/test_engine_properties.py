@@ -252,7 +252,7 @@ def simulate_scripted(drafter: ScriptedDrafter, prompt: list[int], reference_out
             confidence = torch.softmax(drafter.logits_for(token, t + k).float(), dim=-1).max().item()
             seq.append(token)
             k += 1
-            if not confidence > eta:
+            if token in eos or not confidence > eta:  # drafting ends after an EOS draft
                 break
         m = 0
         while m < k and t + m not in drafter.wrong_at:
@@ -470,10 +470,11 @@ def test_eos_inside_a_draft_ends_generation_there(gamma, drafter_kind):
     if drafter_kind == "scripted":
         last = result.rounds[-1]
         slot = (j - 1) % (gamma + 1)
-        # the whole draft was accepted (the drafts after EOS are the target's tokens too), but emission stops at EOS
-        assert (last.drafted, last.accepted, last.emitted) == (gamma, gamma, slot + 1)
+        # drafting stops at the EOS draft (nothing after it could be emitted): drafts up to EOS, all accepted
+        assert slot < gamma
+        assert (last.drafted, last.accepted, last.emitted) == (slot + 1, slot + 1, slot + 1)
         assert [r.emitted for r in result.rounds[:-1]] == [gamma + 1] * (len(result.rounds) - 1)
-        assert snapshots[-1][0] == len(prompt) + j + gamma - slot  # accepted drafts after the EOS stay cached
+        assert snapshots[-1][0] == len(prompt) + j + 1  # the caches end at the EOS
 
 
 def test_engine_is_reusable_across_generations():

@@ -50,9 +50,11 @@ class BenchContext:
     engine plugin choices (drafter, policy, verifier, adapter)."""
 
     def __init__(self, backend: "Backend", config: "DecodeConfig", *, drafter: str = "kangaroo",
-                 policy: str = "threshold", verifier: str = "auto", adapter: str | None = None):
+                 policy: str = "threshold", verifier: str = "auto", adapter: str | None = None,
+                 policy_options: dict[str, Any] | None = None):
         self.backend, self.config = backend, config
         self.drafter, self.policy, self.verifier, self.adapter = drafter, policy, verifier, adapter
+        self.policy_options = dict(policy_options or {})
         self._backends = {backend.exit_layer: backend}
         self._encoder: "Engine | None" = None
 
@@ -89,8 +91,10 @@ class BenchContext:
 
     def engine(self, *, drafter: str | None | object = "default", config: "DecodeConfig | None" = None,
                adapter: str | None | object = "default", exit_layer: int | None = None, policy: Any = None,
-               verifier: Any = None) -> "Engine":
-        """An engine on the shared backend. ``drafter=None``: the target alone; defaults come from the context."""
+               verifier: Any = None, policy_options: dict[str, Any] | None = None,
+               backend: "Backend | None" = None) -> "Engine":
+        """An engine on the shared backend (or ``backend``). ``drafter=None``: the target alone; every other default
+        (drafter, adapter, policy and its options, verifier) comes from the context."""
         from kangaroo_core.engine import Engine
 
         config = config or self.config
@@ -98,8 +102,11 @@ class BenchContext:
             config = config.replace(exit_layer=exit_layer)
         drafter = self.drafter if drafter == "default" else drafter
         adapter = self.adapter if adapter == "default" else adapter
-        return Engine.build(config=config, backend=self.backend_at(config.exit_layer), drafter=drafter,
-                            policy=policy or self.policy, verifier=verifier or self.verifier, adapter=adapter)
+        if policy is None:  # the run's policy with the run's options; another policy starts from its defaults
+            policy, policy_options = self.policy, self.policy_options if policy_options is None else policy_options
+        return Engine.build(config=config, backend=backend or self.backend_at(config.exit_layer), drafter=drafter,
+                            policy=policy, verifier=verifier or self.verifier, adapter=adapter,
+                            policy_options=policy_options or None)
 
 
 class BenchMethod(abc.ABC):

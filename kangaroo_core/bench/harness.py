@@ -186,8 +186,9 @@ def metrics(records: Sequence[Record], greedy: bool) -> dict[str, Any]:
     return out
 
 
-def summarize(run: BenchRun) -> dict[str, Any]:
-    """``{"methods": {label: {"per_subtask", "overall", "error"}}, "speedup": {label: {subtask, "overall"}}}``."""
+def summarize(run: BenchRun, baseline: str = REFERENCE) -> dict[str, Any]:
+    """``{"methods": {label: {"per_subtask", "overall", "error"}}, "speedup": {label: {subtask, "overall"}},
+    "baseline": label}``: speedups are tokens/s ratios to the ``baseline`` method (default ``hf_vanilla``)."""
     methods: dict[str, Any] = {}
     for label in run.labels:
         error = run.errors.get(label)
@@ -195,7 +196,7 @@ def summarize(run: BenchRun) -> dict[str, Any]:
         per = {s: metrics([r for r in mine if r.subtask == s], run.greedy) for s in run.subtasks}
         methods[label] = {"per_subtask": per, "overall": metrics(mine, run.greedy), "error": error}
     speedup: dict[str, Any] = {}
-    ref = methods.get(REFERENCE)
+    ref = methods.get(baseline)
     for label, entry in methods.items():
         row = {}
         for scope in [*run.subtasks, "overall"]:
@@ -204,4 +205,4 @@ def summarize(run: BenchRun) -> dict[str, Any]:
             tps, base_tps = mine["tokens_per_second"], base and base["tokens_per_second"]
             row[scope] = tps / base_tps if tps and base_tps else None
         speedup[label] = row
-    return {"methods": methods, "speedup": speedup}
+    return {"methods": methods, "speedup": speedup, "baseline": baseline}

@@ -24,6 +24,11 @@ def _yes(value: bool | None) -> str:
     return "n/a" if value is None else "yes" if value else "**NO**"
 
 
+def _baseline(summary: dict[str, Any]) -> str:
+    """The method the speedups are relative to."""
+    return summary.get("baseline", REFERENCE)
+
+
 def write_json(path: Path, payload: Any) -> Path:
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
@@ -37,7 +42,7 @@ def results_markdown(summary: dict[str, Any], subtasks: list[str], info: dict[st
                 "torch_threads"):
         if key in info:
             lines.append(f"- {key.replace('_', ' ')}: {info[key]}")
-    lines += ["", f"## Speedup vs `{REFERENCE}` (Spec-Bench leaderboard layout)", ""]
+    lines += ["", f"## Speedup vs `{_baseline(summary)}` (Spec-Bench leaderboard layout)", ""]
     header = ["Method", *(_title(s) for s in subtasks), "#Mean accepted tokens", "Overall", "Identical to vanilla"]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "|".join(["---"] + ["---:"] * (len(header) - 2) + ["---"]) + "|")
@@ -123,7 +128,7 @@ def plot_speedup(summary: dict[str, Any], subtasks: list[str], path: Path) -> Pa
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(scopes)))
     ax.set_xticklabels([_title(s) for s in scopes])
-    ax.set_ylabel(f"speedup vs {REFERENCE} (tokens/s ratio)")
+    ax.set_ylabel(f"speedup vs {_baseline(summary)} (tokens/s ratio)")
     ax.legend(fontsize="small")
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
@@ -150,7 +155,7 @@ def write_sweep(out: Path, summary: dict[str, Any], points: list[dict[str, Any]]
         ax_cr.plot(etas, [r["mean_accepted_tokens"] or 0 for r in mine], marker="o", label=f"γ={gamma}")
         ax_speed.plot(etas, [r["speedup"] or 0 for r in mine], marker="o", label=f"γ={gamma}")
     ax_cr.set(xlabel="eta (second early exit threshold)", ylabel="CR (mean accepted tokens per verify)")
-    ax_speed.set(xlabel="eta (second early exit threshold)", ylabel=f"speedup vs {REFERENCE}")
+    ax_speed.set(xlabel="eta (second early exit threshold)", ylabel=f"speedup vs {_baseline(summary)}")
     for ax in (ax_cr, ax_speed):
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
@@ -176,7 +181,7 @@ def write_adapters(out: Path, summary: dict[str, Any], points: list[dict[str, An
     ax_cr.bar(names, [r["mean_accepted_tokens"] or 0 for r in rows])
     ax_speed.bar(names, [r["speedup"] or 0 for r in rows])
     ax_cr.set_ylabel("CR (mean accepted tokens per verify)")
-    ax_speed.set_ylabel(f"speedup vs {REFERENCE}")
+    ax_speed.set_ylabel(f"speedup vs {_baseline(summary)}")
     ax_speed.axhline(1.0, color="black", linewidth=0.8)
     fig.tight_layout()
     png = out / "adapters.png"

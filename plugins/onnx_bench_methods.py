@@ -1,0 +1,154 @@
+"""ONNX Runtime bench methods for ``kangaroo bench`` (need the ``[onnx]`` extra; imports are lazy).
+
+* ``ort_vanilla`` — optimum ``ORTModelForCausalLM`` greedy ``generate``: the fastest vanilla decoder a CPU user of the
+  Hugging Face ecosystem would pick (one ONNX graph with KV cache, exported once by optimum and cached);
+* ``vanilla_onnx`` — our engine on the ``onnx`` backend with no drafter (isolates the runtime from the speculation);
+* ``kangaroo_onnx`` — our engine on the ``onnx`` backend with the run's drafter, adapter, policy and verifier.
+
+All three run with as many onnxruntime intra-op threads as torch has (``kangaroo bench --threads``), so they compete
+on the same cores as the torch methods. Each ``prepare`` exports what it needs on first use (and says so); the
+exports live in the kangaroo cache and are reused by later runs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kangaroo_core.bench.api import BenchContext
+from kangaroo_core.errors import KangarooError, MissingDependencyError
+from kangaroo_core.hookspecs import hookimpl
+from kangaroo_plugins.bench_methods import EngineMethod, HFGenerate, KangarooMethod
+
+INSTALL_HINT = "pip install 'kangaroo-decoding[onnx]'"
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def import_ort_model():
+    """optimum's ``ORTModelForCausalLM``, or a one-line install hint."""
+    try:
+        from optimum.onnxruntime import ORTModelForCausalLM
+    except ImportError:
+        raise MissingDependencyError(f"ort_vanilla needs optimum-onnx and onnxruntime: {INSTALL_HINT}") from None
+    return ORTModelForCausalLM
+
+
+def model_directory(model: Any) -> Path:
+    """The HF directory the loaded model came from (a GGUF file's converted cache entry for the default model)."""
+    path = Path(getattr(model.config, "_name_or_path", "") or "")
+    if not (path / "config.json").is_file():
+        raise KangarooError(f"ort_vanilla needs the model's HF directory, but {str(path)!r} is none")
+    return path
+
+
+def optimum_export(model: Any, fingerprint: str, *, quiet: bool = False) -> Path:
+    """optimum's ONNX export of ``model`` (with KV cache), cached under ``cache_dir()/ort/<fingerprint>``; atomic."""
+    from kangaroo_backends.loading import cache_dir
+
+    target = cache_dir() / "ort" / fingerprint
+    if (target / "model.onnx").is_file():
+        return target
+    ort_model_cls = import_ort_model()
+    source = model_directory(model)
+    if not quiet:
+        print(f"kangaroo: exporting {source} once with optimum for ort_vanilla; cached in {target}", file=sys.stderr)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+    try:
+        with warnings.catch_warnings():  # the tracer's warnings say nothing actionable to a bench user
+            warnings.simplefilter("ignore")
+            exported = ort_model_cls.from_pretrained(source, export=True, use_cache=True, local_files_only=True)
+        exported.save_pretrained(tmp)
+        os.replace(tmp, target)  # a failed export leaves no half cache entry behind
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+class ORTVanilla(HFGenerate):
+    """optimum ``ORTModelForCausalLM.generate`` (CPUExecutionProvider; CUDA with onnxruntime-gpu and a GPU)."""
+
+    name = "ort_vanilla"
+
+    def __init__(self, provider: str = "auto"):
+        self.provider = provider
+
+    def load_model(self, context: BenchContext) -> Any:
+        from kangaroo_backends.onnx_backend import resolve_provider
+        from kangaroo_backends.onnx_export import import_onnxruntime
+
+        ort = import_onnxruntime()
+        ort_model_cls = import_ort_model()
+        if context.model is None:
+            raise KangarooError("ort_vanilla needs a backend holding a transformers model")
+        directory = optimum_export(context.model, context.backend.fingerprint)
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = _threads()
+        options.inter_op_num_threads = 1
+        options.log_severity_level = 3
+        return ort_model_cls.from_pretrained(directory, provider=resolve_provider(ort, self.provider),
+                                             session_options=options, local_files_only=True)
+
+
+class _OnnxEngine:
+    """Mixin: the method's engine runs on an ``onnx`` backend sharing the bench's loaded model."""
+
+    provider = "auto"
+
+    def onnx_backend(self, context: BenchContext):
+        from kangaroo_backends.onnx_backend import OnnxBackend
+
+        base = context.backend
+        if getattr(base, "name", None) == "onnx":
+            return base
+        if context.model is None:
+            raise KangarooError(f"{self.name} needs a backend holding the transformers model to export")
+        return OnnxBackend(context.model, context.tokenizer, base.exit_layer, base.model_name, provider=self.provider,
+                           threads=_threads())
+
+
+class VanillaOnnx(_OnnxEngine, EngineMethod):
+    """Our engine on onnxruntime, no drafter: one token per pass."""
+
+    name = "vanilla_onnx"
+
+    def __init__(self, provider: str = "auto"):
+        self.provider = provider
+
+    def make_engine(self, context: BenchContext):
+        return context.engine(drafter=None, backend=self.onnx_backend(context))
+
+
+class KangarooOnnx(_OnnxEngine, KangarooMethod):
+    """Our engine on onnxruntime with drafting (the adapter exported into the same bundle)."""
+
+    name = "kangaroo_onnx"
+
+    def __init__(self, provider: str = "auto", **options: Any):
+        super().__init__(**options)
+        self.provider = provider
+
+    def make_engine(self, context: BenchContext):
+        config = self.config_for(context)
+        if config.exit_layer != context.backend.exit_layer:
+            raise KangarooError("kangaroo_onnx runs at the bench's --exit-layer only")
+        return context.engine(config=config, backend=self.onnx_backend(context), adapter=self.adapter_or_default,
+                              policy_options=self.policy_options)
+
+
+@hookimpl
+def register_bench_methods(register):
+    register("ort_vanilla", ORTVanilla)
+    register("vanilla_onnx", VanillaOnnx)
+    register("kangaroo_onnx", KangarooOnnx)

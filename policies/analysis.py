@@ -1,0 +1,455 @@
+"""How good is a stopping policy? Exact greedy simulation on the target's own answers, a measured cost model, and the
+draft-confidence calibration (``kangaroo analyze-policies``).
+
+Why a simulation is exact here: under greedy decoding a draft continues only while it equals the target's own greedy
+token, so every draft the engine ever *accepts* was made from the true prefix. The drafter's prediction at answer
+position j with the true prefix (teacher forcing, one :meth:`SelfDrafter.advance` per position) is therefore exactly
+the draft the engine would make there, with the same confidence — for any policy, eta and gamma. One greedy run of the
+target plus one teacher-forced pass of the drafter per answer replay every policy's rounds without re-decoding:
+
+* a round starting after answer token j drafts positions j+1, j+2, ... and stops at the first wrong draft (the verify
+  rejects it), when the policy says stop (that draft is still proposed), at gamma drafts, or at the token budget;
+* the policy sees the same :class:`DraftStep` objects (index, token, probs, confidence) the engine would show it.
+
+Glossary: ``correct[j]`` — the draft for answer token j+1 equals it (accepted if reached); ``confidence[j]`` — that
+draft's top-1 probability; a round = (accepted, drafted).
+
+Cost model (measured here, per call, median of repeats): ``t_exit`` = M[:l] for one token (step 1 of a round),
+``t_draft`` = one draft step (drafter advance + M[:l] of the draft), ``t_verify[k]`` = M[l:] over k+1 positions.
+Predicted time of a round = t_exit + drafted·t_draft + t_verify[drafted]; target alone = t_exit + t_verify[0] per
+token. Predicted speedup = tokens·(t_exit + t_verify[0]) / Σ rounds' time. It ignores Python overhead per round, so
+it ranks policies rather than promising a wall-time figure (``kangaroo bench`` measures those).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from kangaroo_core.interfaces import Backend, SelfDrafter, StoppingPolicy
+from kangaroo_core.results import DraftStep
+
+#: Confidence bins of the calibration plot.
+CALIBRATION_BINS = 10
+#: The eta grid of the optimal-eta search.
+ETA_GRID = tuple(round(0.05 * i, 2) for i in range(20))
+
+
+@attrs.frozen
+class Answer:
+    """One question turn: the target's greedy answer and every draft the engine could make along it.
+
+    ``steps[k]``: the draft for ``answer[k + 1]`` made from the true prefix (None: the drafter proposed nothing).
+    ``off_path[k]``: when ``steps[k]`` is wrong, the drafts that would follow it in the same round (made from the
+    wrong prefix, up to gamma − 1 of them), for policies that keep drafting past a draft the target will reject.
+    """
+
+    subtask: str
+    prompt_ids: list[int]
+    answer: list[int]
+    steps: list[DraftStep | None] = attrs.field(eq=False, repr=False)
+    off_path: dict[int, list[DraftStep]] = attrs.field(eq=False, repr=False)
+    max_new_tokens: int
+    eos: frozenset[int] = frozenset()
+
+    @property
+    def correct(self) -> list[bool]:
+        return [s is not None and s.token == self.answer[k + 1] for k, s in enumerate(self.steps)]
+
+    @property
+    def confidence(self) -> list[float]:
+        return [0.0 if s is None else s.confidence for s in self.steps]
+
+
+@attrs.frozen
+class Costs:
+    """Measured seconds per call (medians): see the module docstring."""
+
+    t_exit: float
+    t_draft: float
+    t_verify: tuple[float, ...]  # t_verify[k]: M[l:] over k + 1 positions, k = 0..gamma
+
+    def round_seconds(self, drafted: int) -> float:
+        return self.t_exit + drafted * self.t_draft + self.t_verify[drafted]
+
+    @property
+    def vanilla_token_seconds(self) -> float:
+        return self.t_exit + self.t_verify[0]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"t_exit": self.t_exit, "t_draft": self.t_draft, "t_verify": list(self.t_verify),
+                "draft_cost_per_verify": self.t_draft / self.t_verify[0]}
+
+
+def _step(logits: torch.Tensor | None) -> DraftStep | None:
+    """A draft as the engine builds it (index fixed later, per replayed round)."""
+    if logits is None:
+        return None
+    probs = torch.softmax(logits.float(), dim=-1)
+    confidence, token = probs.max(dim=-1)
+    return DraftStep(index=1, token=int(token), probs=probs, confidence=float(confidence))
+
+
+@torch.inference_mode()
+def replay_answer(backend: Backend, drafter: SelfDrafter, subtask: str, prompt_ids: Sequence[int],
+                  answer: Sequence[int], *, gamma: int, max_new_tokens: int) -> Answer:
+    """Walk the answer once with the true prefix (teacher forcing) and branch off at every wrong draft."""
+    prompt, answer = list(prompt_ids), list(answer)
+    eos = frozenset(backend.eos_token_ids)
+    tokens = prompt + answer
+    p, m = len(prompt), len(answer)
+    backend.reset()
+    drafter.reset()
+    steps: list[DraftStep | None] = []
+    off_path: dict[int, list[DraftStep]] = {}
+    if m < 2:
+        return Answer(subtask, prompt, answer, steps, off_path, max_new_tokens, eos)
+    logits = drafter.advance(tokens[: p + 1], backend.shallow(tokens[: p + 1]))
+    for k in range(m - 1):  # the drafter has seen positions 0..p+k; steps[k] predicts answer[k + 1]
+        step = _step(logits)
+        steps.append(step)
+        seen = p + k + 1
+        if step is not None and step.token != answer[k + 1] and step.token not in eos and gamma > 1:
+            branch, sequence, token = [], tokens[:seen], step.token
+            for _ in range(gamma - 1):  # exactly what the engine drafts next from the wrong prefix
+                sequence = sequence + [token]
+                nxt = _step(drafter.advance(sequence, backend.shallow([token])))
+                if nxt is None:
+                    break
+                branch.append(nxt)
+                if nxt.token in eos:
+                    break
+                token = nxt.token
+            off_path[k] = branch
+            backend.crop(seen)
+            drafter.crop(seen)
+        if k + 1 < m - 1:
+            logits = drafter.advance(tokens[: seen + 1], backend.shallow([answer[k + 1]]))
+    return Answer(subtask, prompt, answer, steps, off_path, max_new_tokens, eos)
+
+
+def _round_drafts(answer: Answer, j: int, correct: list[bool]):
+    """(draft, on the target's path) for the drafts of a round that starts after ``answer[j]``, in order."""
+    for k in range(j, len(answer.steps)):
+        step = answer.steps[k]
+        if step is None:
+            return
+        yield step, correct[k]
+        if not correct[k]:
+            for off in answer.off_path.get(k, []):
+                yield off, False
+            return
+
+
+def simulate_policy(answer: Answer, policy: StoppingPolicy, gamma: int) -> list[tuple[int, int]]:
+    """(accepted, drafted) of every round the engine would run with ``policy`` on this greedy answer.
+
+    Mirrors :meth:`Engine.decode`: at most min(gamma, budget − 1) drafts, the policy asked after each draft, drafting
+    stops after a draft that is EOS or when the drafter has nothing to propose; the verify accepts the drafts up to
+    the first one off the target's path.
+    """
+    correct = answer.correct
+    m = len(answer.answer)
+    rounds: list[tuple[int, int]] = []
+    j = 0  # the output so far is answer[: j + 1]
+    tokens = list(answer.prompt_ids) + answer.answer[:1]
+    while j + 1 < m:
+        max_drafts = min(gamma, answer.max_new_tokens - (j + 1) - 1)
+        accepted = drafted = 0
+        on_path = True
+        if max_drafts > 0:
+            policy.start_round(tokens)  # as the engine does (the default calls begin_round)
+            for step, ok in _round_drafts(answer, j, correct):
+                drafted += 1
+                on_path = on_path and ok
+                accepted += on_path
+                if step.token in answer.eos or drafted == max_drafts:
+                    break
+                if not policy.keep_drafting(attrs.evolve(step, index=drafted)):
+                    break
+        rounds.append((accepted, drafted))
+        tokens = tokens + answer.answer[j + 1: j + accepted + 2]
+        j += accepted + 1
+    return rounds
+
+
+def round_summary(rounds: Sequence[tuple[int, int]], costs: Costs | None, gamma: int) -> dict[str, Any]:
+    """CR, CTAR(1..gamma), drafts per round and the cost model's predicted speedup of a set of rounds."""
+    n = len(rounds)
+    if n == 0:
+        return {"rounds": 0, "cr": None, "ctar": None, "drafts_per_round": None, "predicted_speedup": None}
+    tokens = sum(a + 1 for a, _ in rounds)
+    out = {"rounds": n, "cr": tokens / n, "ctar": [sum(a >= w for a, _ in rounds) / n for w in range(1, gamma + 1)],
+           "drafts_per_round": sum(d for _, d in rounds) / n,
+           "wasted_drafts_per_round": sum(d - a for a, d in rounds) / n, "predicted_speedup": None}
+    if costs is not None:
+        seconds = sum(costs.round_seconds(d) for _, d in rounds)
+        out["predicted_speedup"] = tokens * costs.vanilla_token_seconds / seconds
+    return out
+
+
+@torch.inference_mode()
+def measure_costs(backend: Backend, drafter: SelfDrafter, prompt_ids: Sequence[int], gamma: int,
+                  repeats: int = 15) -> Costs:
+    """Median seconds of one first early exit, one draft step and each verify width, at the end of a real prompt."""
+    prompt = list(prompt_ids)
+    backend.reset()
+    drafter.reset()
+    hidden = backend.shallow(prompt)
+    backend.deep(hidden)
+    drafter.advance(prompt, hidden)
+    n = len(prompt)
+    token = prompt[-1]
+    exits, drafts = [], []
+    verify: list[list[float]] = [[] for _ in range(gamma + 1)]
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        h = backend.shallow([token])
+        t1 = time.perf_counter()
+        drafter.advance(prompt + [token], h)
+        backend.shallow([token])
+        t2 = time.perf_counter()
+        exits.append(t1 - t0)
+        drafts.append(t2 - t1)
+        backend.crop(n)
+        drafter.crop(n)
+        for k in range(gamma + 1):
+            states = backend.shallow(prompt[-(k + 1):]) if n >= k + 1 else backend.shallow([token] * (k + 1))
+            t3 = time.perf_counter()
+            backend.deep(states)
+            verify[k].append(time.perf_counter() - t3)
+            backend.crop(n)
+    return Costs(statistics.median(exits), statistics.median(drafts), tuple(statistics.median(v) for v in verify))
+
+
+@attrs.frozen
+class AnswerRecord:
+    """What the analysis keeps of one answer once its policies are simulated (the drafts' probs are dropped)."""
+
+    subtask: str
+    confidence: list[float]
+    correct: list[bool]
+    rounds: dict[str, list[tuple[int, int]]]  # policy label -> (accepted, drafted) per round
+
+
+def threshold_label(eta: float) -> str:
+    return f"threshold(eta={eta:g})"
+
+
+def analyze_answer(answer: Answer, factories: dict[str, Callable[[Answer], StoppingPolicy]], gamma: int,
+                   etas: Sequence[float] = ETA_GRID) -> AnswerRecord:
+    """Simulate every policy and every threshold eta on one answer."""
+    from kangaroo_policies.threshold import ThresholdPolicy
+
+    rounds = {threshold_label(eta): simulate_policy(answer, ThresholdPolicy(eta=eta), gamma) for eta in etas}
+    for label, factory in factories.items():
+        rounds[label] = simulate_policy(answer, factory(answer), gamma)
+    return AnswerRecord(answer.subtask, answer.confidence, answer.correct, rounds)
+
+
+def _scopes(records: Sequence[AnswerRecord]) -> list[str]:
+    return [*dict.fromkeys(r.subtask for r in records), "overall"]
+
+
+def _pooled(records: Sequence[AnswerRecord], scope: str, label: str) -> list[tuple[int, int]]:
+    return [x for r in records if scope in ("overall", r.subtask) for x in r.rounds[label]]
+
+
+def calibration(records: Sequence[AnswerRecord], bins: int = CALIBRATION_BINS) -> dict[str, Any]:
+    """Per subtask (and overall): binned draft confidence vs the share of those drafts the target accepts, and the
+    expected calibration error (count-weighted |confidence - acceptance| over the bins)."""
+    out: dict[str, Any] = {}
+    for scope in _scopes(records):
+        pairs = [(c, ok) for r in records if scope in ("overall", r.subtask) for c, ok in zip(r.confidence, r.correct)]
+        rows = []
+        for b in range(bins):
+            inside = [(c, ok) for c, ok in pairs if min(int(c * bins), bins - 1) == b]
+            rows.append({"bin": [b / bins, (b + 1) / bins], "count": len(inside),
+                         "mean_confidence": sum(c for c, _ in inside) / len(inside) if inside else None,
+                         "acceptance_rate": sum(ok for _, ok in inside) / len(inside) if inside else None})
+        n = len(pairs)
+        ece = (sum(r["count"] / n * abs(r["mean_confidence"] - r["acceptance_rate"]) for r in rows if r["count"])
+               if n else None)
+        out[scope] = {"drafts": n, "acceptance_rate": sum(ok for _, ok in pairs) / n if n else None,
+                      "mean_confidence": sum(c for c, _ in pairs) / n if n else None,
+                      "expected_calibration_error": ece, "bins": rows}
+    return out
+
+
+def eta_curves(records: Sequence[AnswerRecord], costs: Costs, gamma: int,
+               etas: Sequence[float] = ETA_GRID) -> dict[str, Any]:
+    """Per subtask (and overall): simulated CR and predicted speedup of the threshold policy for every eta, and the
+    eta with the best predicted speedup."""
+    out: dict[str, Any] = {}
+    for scope in _scopes(records):
+        points = [{"eta": eta, **round_summary(_pooled(records, scope, threshold_label(eta)), costs, gamma)}
+                  for eta in etas]
+        best = max(points, key=lambda p: p["predicted_speedup"] or 0.0)
+        out[scope] = {"points": points, "optimal_eta": best["eta"],
+                      "optimal_predicted_speedup": best["predicted_speedup"]}
+    return out
+
+
+def compare_policies(records: Sequence[AnswerRecord], costs: Costs, gamma: int, labels: Sequence[str]) -> dict[str, Any]:
+    """Simulated CR / CTAR / drafts per round / predicted speedup of each policy, per subtask and overall."""
+    return {label: {scope: round_summary(_pooled(records, scope, label), costs, gamma) for scope in _scopes(records)}
+            for label in labels}
+
+
+def plot_calibration(data: dict[str, Any], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax_n) = plt.subplots(2, 1, figsize=(7, 7), gridspec_kw={"height_ratios": [3, 1]}, sharex=True)
+    ax.plot([0, 1], [0, 1], color="grey", linestyle="--", linewidth=0.8, label="perfectly calibrated")
+    for name, entry in data.items():
+        xs = [r["mean_confidence"] for r in entry["bins"] if r["count"]]
+        ys = [r["acceptance_rate"] for r in entry["bins"] if r["count"]]
+        style = {"color": "black", "linewidth": 2.5} if name == "overall" else {"linewidth": 1.2, "alpha": 0.8}
+        ax.plot(xs, ys, marker="o", markersize=3, label=f"{name} (ECE {entry['expected_calibration_error']:.2f})",
+                **style)
+    overall = data["overall"]["bins"]
+    ax_n.bar([(r["bin"][0] + r["bin"][1]) / 2 for r in overall], [r["count"] for r in overall], width=0.09,
+             color="grey")
+    ax.set(ylabel="acceptance rate (target agrees)", title="Draft confidence vs acceptance (teacher-forced, greedy)",
+           xlim=(0, 1), ylim=(0, 1))
+    ax_n.set(xlabel="draft top-1 probability (confidence)", ylabel="drafts")
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_eta_curves(data: dict[str, Any], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_cr, ax_speed) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, entry in data.items():
+        etas = [p["eta"] for p in entry["points"]]
+        style = {"color": "black", "linewidth": 2.5} if name == "overall" else {"linewidth": 1.2, "alpha": 0.8}
+        ax_cr.plot(etas, [p["cr"] or 0 for p in entry["points"]], label=name, **style)
+        ax_speed.plot(etas, [p["predicted_speedup"] or 0 for p in entry["points"]],
+                      label=f"{name} (best eta {entry['optimal_eta']:g})", **style)
+    ax_cr.set(xlabel="eta", ylabel="CR (simulated, exact for greedy)")
+    ax_speed.set(xlabel="eta", ylabel="predicted speedup vs target alone (cost model)")
+    ax_speed.axhline(1.0, color="grey", linewidth=0.8)
+    for ax in (ax_cr, ax_speed):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- the driver behind `kangaroo analyze-policies` ---------------------------------------------------------------------
+def policy_factories(specs: Sequence[tuple[str, str, dict]], engine: Any) -> dict[str, Callable[[Answer], StoppingPolicy]]:
+    """``(label, policy name, options)`` → factories. Policies are resolved and bound once; the oracle gets the
+    answer it is replayed on as its reference (so it never runs the target again)."""
+    from kangaroo_core.plugins import get_registry
+
+    registry = get_registry()
+    factories: dict[str, Callable[[Answer], StoppingPolicy]] = {}
+    for label, name, options in specs:
+        cls = registry.resolve("policy", name)
+        if name == "oracle":
+            def make(answer: Answer, cls=cls, options=options) -> StoppingPolicy:
+                policy = cls.create(engine.config, **options, reference=list(answer.prompt_ids) + list(answer.answer))
+                policy.bind(engine.backend)
+                return policy
+        else:
+            policy = cls.create(engine.config, **options)
+            policy.bind(engine.backend)
+
+            def make(answer: Answer, policy=policy) -> StoppingPolicy:
+                return policy
+        factories[label] = make
+    return factories
+
+
+def run_analysis(engine: Any, questions: Sequence[Any], specs: Sequence[tuple[str, str, dict]], *, max_new_tokens: int,
+                 progress: bool = True, etas: Sequence[float] = ETA_GRID) -> dict[str, Any]:
+    """Answer every question turn with the target alone, replay every policy on it, measure the costs."""
+    import sys
+
+    from tqdm import tqdm
+
+    from kangaroo_core.engine import Engine
+    from kangaroo_policies.fixed import FixedPolicy
+
+    backend, drafter, gamma = engine.backend, engine.drafter, engine.config.gamma
+    if drafter is None:
+        raise ValueError("analyze-policies needs a drafter")
+    alone = Engine(backend, None, FixedPolicy(), engine.verifier, engine.config)
+    factories = policy_factories(specs, engine)
+    records: list[AnswerRecord] = []
+    first_prompt: list[int] | None = None
+    turns = sum(len(q.turns) for q in questions)
+    with tqdm(total=turns, desc="analyze", unit="turn", file=sys.stderr, disable=not progress) as bar:
+        for question in questions:
+            history: list[dict[str, str]] = []
+            for text in question.turns:
+                messages = history + [{"role": "user", "content": text}]
+                prompt = engine.encode(messages)
+                first_prompt = first_prompt or prompt
+                result = alone.generate_ids(prompt, max_new_tokens)
+                answer = list(result.token_ids)
+                replay = replay_answer(backend, drafter, question.subtask, prompt, answer, gamma=gamma,
+                                       max_new_tokens=max_new_tokens)
+                records.append(analyze_answer(replay, factories, gamma, etas))
+                history = messages + [{"role": "assistant",
+                                       "content": backend.tokenizer.decode(answer, skip_special_tokens=True)}]
+                bar.update(1)
+    costs = measure_costs(backend, drafter, first_prompt or [0], gamma)
+    return {
+        "answers": len(records),
+        "answer_tokens": sum(len(r.correct) + 1 for r in records),
+        "gamma": gamma,
+        "costs": costs.as_dict(),
+        "calibration": calibration(records),
+        "eta": eta_curves(records, costs, gamma, etas),
+        "policies": compare_policies(records, costs, gamma, [label for label, _, _ in specs]),
+    }
+
+
+def analysis_markdown(result: dict[str, Any], info: dict[str, Any]) -> str:
+    """A short human-readable summary (tables) of :func:`run_analysis`'s result."""
+    lines = ["# kangaroo analyze-policies", "", f"- command: `{info.get('command', '')}`",
+             f"- answers: {result['answers']} question turns, {result['answer_tokens']} answer tokens, gamma "
+             f"{result['gamma']}"]
+    c = result["costs"]
+    lines.append(f"- measured costs: first exit {1e3 * c['t_exit']:.2f} ms, draft step {1e3 * c['t_draft']:.2f} ms, "
+                 f"verify 1/{len(c['t_verify'])} positions {1e3 * c['t_verify'][0]:.2f}/{1e3 * c['t_verify'][-1]:.2f} ms "
+                 f"(draft step = {c['draft_cost_per_verify']:.2f} verify)")
+    lines += ["", "## Calibration (draft confidence vs acceptance)", "",
+              "| scope | drafts | mean confidence | acceptance rate | ECE |", "|---|---:|---:|---:|---:|"]
+    for scope, e in result["calibration"].items():
+        lines.append(f"| {scope} | {e['drafts']} | {e['mean_confidence']:.3f} | {e['acceptance_rate']:.3f} | "
+                     f"{e['expected_calibration_error']:.3f} |")
+    lines += ["", "## Optimal eta (threshold policy, cost-model speedup)", "",
+              "| scope | optimal eta | predicted speedup there | CR there | predicted speedup at eta 0.6 |",
+              "|---|---:|---:|---:|---:|"]
+    for scope, e in result["eta"].items():
+        best = next(p for p in e["points"] if p["eta"] == e["optimal_eta"])
+        at06 = next((p for p in e["points"] if abs(p["eta"] - 0.6) < 1e-9), None)
+        lines.append(f"| {scope} | {e['optimal_eta']:g} | {best['predicted_speedup']:.3f} | {best['cr']:.3f} | "
+                     f"{'–' if at06 is None else format(at06['predicted_speedup'], '.3f')} |")
+    lines += ["", "## Policies (simulated exactly on the target's greedy answers)", "",
+              "| policy | CR | CTAR(1) | CTAR(2) | drafts/round | wasted drafts/round | predicted speedup |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+    for label, scopes in result["policies"].items():
+        o = scopes["overall"]
+        ctar = (o["ctar"] or []) + [None, None]
+        cells = [o["cr"], ctar[0], ctar[1], o["drafts_per_round"], o.get("wasted_drafts_per_round"), o["predicted_speedup"]]
+        lines.append(f"| {label} | " + " | ".join("–" if v is None else f"{v:.3f}" for v in cells) + " |")
+    return "\n".join(lines) + "\n"
