@@ -162,12 +162,16 @@ class AdapterGraph(nn.Module):
         self.rotary = _Rotary(adapter.rotary_emb)
         self.input_norm, self.output_norm = adapter.input_norm, adapter.output_norm
         self.attn = _Attention(adapter.attention, adapter.config)
-        self.head = lm_head
+        self.mlp_norm, self.mlp = (adapter.mlp_norm, adapter.mlp) if adapter.ffn else (None, None)
+        self.head = adapter.drafting_head(lm_head)  # shared or own head, restricted to the draft vocabulary if any
 
     def forward(self, hidden, position_ids, past_key, past_value):
         cos, sin = self.rotary(position_ids)
         attended, k, v = self.attn(self.input_norm(hidden), cos, sin, position_ids, past_key, past_value)
-        out = self.output_norm(hidden + attended)
+        out = hidden + attended
+        if self.mlp is not None:
+            out = out + self.mlp(self.mlp_norm(out))
+        out = self.output_norm(out)
         return self.head(out[:, -1]), out, k, v
 
 
@@ -253,9 +257,13 @@ def _max_diff(ort_outputs, references) -> tuple[float, float]:
         ref = ref.detach().float().cpu()
         if tuple(got.shape) != tuple(ref.shape):
             raise OnnxExportError(f"exported graph output shape {tuple(got.shape)} != eager {tuple(ref.shape)}")
-        if ref.numel():
-            diff = max(diff, float((torch.from_numpy(got) - ref).abs().max()))
-            scale = max(scale, float(ref.abs().max()))
+        got = torch.from_numpy(got)
+        finite = torch.isfinite(ref)  # -inf logits outside a draft vocabulary must stay exactly -inf
+        if not torch.equal(finite, torch.isfinite(got)):
+            return float("inf"), 1.0
+        if finite.any():
+            diff = max(diff, float((got[finite] - ref[finite]).abs().max()))
+            scale = max(scale, float(ref[finite].abs().max()))
     return diff, scale
 
 
@@ -303,7 +311,7 @@ def _validate(path: Path, name: str, model, adapter, exit_layer: int, seed: int 
                     adapter(states[None, :past], 0, cache)
                 past_kv = _torch_kv(cache, [0])
                 out = adapter(states[None, past:], past, cache)
-                refs = [model.lm_head(out[:, -1]), out, *[t[:, past:] for t in _torch_kv(cache, [0])]]
+                refs = [adapter.logits(out[:, -1], model.lm_head), out, *[t[:, past:] for t in _torch_kv(cache, [0])]]
             feed = [states[None, past:], positions, *past_kv]
         got = session.run(None, {k: v.detach().cpu().numpy() for k, v in zip(inputs, feed)})
         diff, ref_scale = _max_diff(got, refs)

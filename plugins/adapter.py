@@ -24,10 +24,13 @@ FORMAT = "kangaroo-adapter"
 FORMAT_VERSION = 1
 WEIGHTS_FILE = "adapter.safetensors"
 METADATA_FILE = "adapter.json"
+DRAFT_VOCAB_TENSOR = "draft_vocab"
 
 
-def adapter_architecture(model_config, *, ffn: bool = False, separate_head: bool = False) -> dict:
+def adapter_architecture(model_config, *, ffn: bool = False, separate_head: bool = False,
+                         draft_vocab_size: int | None = None) -> dict:
     head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+    extra = {} if draft_vocab_size is None else {"draft_vocab_size": int(draft_vocab_size)}
     return {
         "type": "attention",
         "hidden_size": model_config.hidden_size,
@@ -38,7 +41,26 @@ def adapter_architecture(model_config, *, ffn: bool = False, separate_head: bool
         "rms_norm_eps": model_config.rms_norm_eps,
         "ffn": ffn,
         "separate_head": separate_head,
+        **extra,
     }
+
+
+class DraftHead(nn.Module):
+    """An LM head restricted to a draft vocabulary (token ids ``index``): only those rows are multiplied, every other
+    token gets logit -inf. Drafting then never proposes a token outside the list — the verification is unchanged, so
+    output stays lossless — and the head costs K/V of the full one (the full 49k-row head dominates a SmolLM2 draft
+    step). The scatter back to the full vocabulary keeps every consumer (policies, verifiers) unchanged."""
+
+    def __init__(self, weight: torch.Tensor, index: torch.Tensor):
+        super().__init__()
+        self.vocab_size = weight.shape[0]
+        self.register_buffer("rows", weight.detach()[index].clone().contiguous(), persistent=False)  # [K, d]
+        self.register_buffer("index", index.clone(), persistent=False)  # [K]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., d] → [..., V]
+        sub = nn.functional.linear(x, self.rows)  # [..., K]
+        full = torch.full((*sub.shape[:-1], self.vocab_size), float("-inf"), dtype=sub.dtype, device=sub.device)
+        return full.scatter(-1, self.index.expand(*sub.shape[:-1], -1), sub)
 
 
 class KangarooAdapter(nn.Module):
@@ -51,6 +73,8 @@ class KangarooAdapter(nn.Module):
     def __init__(self, model_config, *, ffn: bool = False, separate_head: bool = False):
         super().__init__()
         self.ffn, self.separate_head = ffn, separate_head
+        self.draft_vocab: torch.Tensor | None = None  # token ids the drafter may propose (None: all)
+        self._draft_head: tuple[int, DraftHead] | None = None
         config = copy.deepcopy(model_config)
         config.num_hidden_layers = 1
         config._attn_implementation = model_config._attn_implementation or "sdpa"
@@ -81,11 +105,46 @@ class KangarooAdapter(nn.Module):
         return adapter.to(next(model.parameters()).dtype)
 
     def architecture(self) -> dict:
-        return adapter_architecture(self.config, ffn=self.ffn, separate_head=self.separate_head)
+        size = None if self.draft_vocab is None else len(self.draft_vocab)
+        return adapter_architecture(self.config, ffn=self.ffn, separate_head=self.separate_head, draft_vocab_size=size)
+
+    def set_draft_vocab(self, token_ids) -> None:
+        """Restrict drafting to these token ids (None: the whole vocabulary). Training always uses the full head."""
+        if token_ids is None:
+            self.draft_vocab = None
+        else:
+            ids = torch.as_tensor(sorted({int(t) for t in token_ids}), dtype=torch.long)
+            if len(ids) == 0 or int(ids[0]) < 0 or int(ids[-1]) >= self.config.vocab_size:
+                raise ValueError(f"draft vocabulary must be non-empty token ids in [0, {self.config.vocab_size})")
+            self.draft_vocab = ids
+        self._draft_head = None
+
+    def full_logits(self, out: torch.Tensor, shared_head: nn.Module) -> torch.Tensor:
+        """Adapter output → logits over the whole vocabulary (training): its own head if it has one, else the
+        target's shared head."""
+        return self.head(out) if self.separate_head else shared_head(out)
+
+    def drafting_head(self, shared_head: nn.Module) -> nn.Module:
+        """The head used for drafting: the full one, or a :class:`DraftHead` over the draft vocabulary."""
+        base = self.head if self.separate_head else shared_head
+        if self.draft_vocab is None:
+            return base
+        key = base.weight.data_ptr()
+        if self._draft_head is None or self._draft_head[0] != key:
+            self._draft_head = (key, DraftHead(base.weight, self.draft_vocab.to(base.weight.device)))
+        return self._draft_head[1]
 
     def logits(self, out: torch.Tensor, shared_head: nn.Module) -> torch.Tensor:
-        """Adapter output → vocabulary logits: its own head if it has one, else the target's shared head."""
-        return self.head(out) if self.separate_head else shared_head(out)
+        """Adapter output → drafting logits (-inf outside the draft vocabulary when there is one)."""
+        return self.drafting_head(shared_head)(out)
+
+    def restrict(self, logits: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits with every token outside the draft vocabulary set to -inf (evaluation)."""
+        if self.draft_vocab is None:
+            return logits
+        keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        keep[self.draft_vocab.to(logits.device)] = True
+        return logits.masked_fill(~keep, float("-inf"))
 
     def new_cache(self) -> KVCache:
         c = self.config
@@ -119,6 +178,8 @@ class KangarooAdapter(nn.Module):
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.detach().contiguous() for k, v in self.state_dict().items() if "rotary_emb" not in k}
+        if self.draft_vocab is not None:
+            tensors[DRAFT_VOCAB_TENSOR] = self.draft_vocab.cpu().contiguous()
         save_file(tensors, directory / WEIGHTS_FILE)
         metadata = {
             "format": FORMAT,
@@ -158,11 +219,20 @@ class KangarooAdapter(nn.Module):
             )
         arch = meta.get("architecture") or {}
         variant = {"ffn": bool(arch.get("ffn")), "separate_head": bool(arch.get("separate_head"))}
-        expected = adapter_architecture(model.config, **variant)
+        expected = adapter_architecture(model.config, **variant, draft_vocab_size=arch.get("draft_vocab_size"))
         if arch != expected:
             raise AdapterMismatchError(f"adapter {directory} architecture {arch} does not fit this model ({expected})")
         adapter = cls(model.config, **variant).to(next(model.parameters()).dtype)
         state = load_file(weights_path)
+        draft_vocab = state.pop(DRAFT_VOCAB_TENSOR, None)
+        if (draft_vocab is None) != (arch.get("draft_vocab_size") is None) or (
+                draft_vocab is not None and len(draft_vocab) != arch["draft_vocab_size"]):
+            raise AdapterMismatchError(f"adapter {weights_path}: draft vocabulary does not match {meta_path}")
+        if draft_vocab is not None:
+            try:
+                adapter.set_draft_vocab(draft_vocab.tolist())
+            except ValueError as exc:
+                raise AdapterMismatchError(f"adapter {weights_path}: {exc}") from None
         missing, unexpected = adapter.load_state_dict(state, strict=False)
         missing = [k for k in missing if "rotary_emb" not in k]
         if missing or unexpected:

@@ -7,7 +7,8 @@ Pipeline (``train_adapter``), each stage resumable inside one work directory:
                  layer-l states and top-K soft labels                          → work/shards/*.safetensors
     3. train     epochs of AdamW; after each epoch the adapter, optimizer state and metrics are checkpointed
                                                                                → work/checkpoints/epoch-NNN/
-    4. report    adapter directory + training_report.json + training_curves.png → out/
+    4. vocab     optional draft vocabulary (--draft-vocab K): the K most frequent answer tokens
+    5. report    adapter directory + training_report.json + training_curves.png → out/
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from kangaroo_core.config import _positive_int, _unit_interval
+from kangaroo_core.config import _non_negative_int, _positive_int, _unit_interval
 from kangaroo_core.errors import KangarooError
 from kangaroo_plugins.adapter import KangarooAdapter
 from kangaroo_plugins.distill import build_shards, load_shards, read_prompts, split_prompts
@@ -54,6 +55,7 @@ class TrainConfig:
     gamma: int = attrs.field(default=6, validator=_positive_int)
     seed: int = 0
     record_layers: tuple = attrs.field(default=(), converter=tuple)  # extra layers to record for the l sweep
+    draft_vocab: int = attrs.field(default=0, validator=_non_negative_int)  # 0: draft over the whole vocabulary
 
     def layers(self) -> list[int]:
         return sorted({self.exit_layer, *self.record_layers})
@@ -132,7 +134,25 @@ def _collate(batch: list[dict], dtype=torch.float32):
 
 def _draft_logits(adapter: KangarooAdapter, head, hidden: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
     out = adapter(hidden, 0)  # [B, T, d]
-    return adapter.logits(out[select], head)  # [N, V]
+    return adapter.full_logits(out[select], head)  # [N, V]: training and the loss always see every token
+
+
+def draft_vocab_from_records(records: Sequence[dict], size: int, always: Sequence[int] = ()) -> list[int]:
+    """The ``size`` tokens the target emits most often in its own answers (response tokens; ties by id), plus
+    ``always`` (EOS): the draft vocabulary. Frequency-ranked, as FR-Spec does for draft heads."""
+    counts: dict[int, int] = {}
+    for r in records:
+        for token in r["input_ids"][r["prompt_length"]:].tolist():
+            counts[token] = counts.get(token, 0) + 1
+    ranked = sorted(counts, key=lambda t: (-counts[t], t))[:size]
+    return sorted(set(ranked) | set(always))
+
+
+def vocab_coverage(records: Sequence[dict], vocab: Sequence[int]) -> float:
+    """Share of response tokens inside ``vocab`` (the ceiling on draft accuracy it leaves)."""
+    keep = set(vocab)
+    tokens = [t for r in records for t in r["input_ids"][r["prompt_length"]:].tolist()]
+    return sum(t in keep for t in tokens) / max(len(tokens), 1)
 
 
 @torch.no_grad()
@@ -144,7 +164,7 @@ def evaluate(adapter: KangarooAdapter, head, records: list[dict], config: TrainC
         hidden, select, topk_ids, topk_logps, targets = _collate(batch, head.weight.dtype)
         logits = _draft_logits(adapter, head, hidden, select)
         losses.append(float(soft_cross_entropy(logits, topk_ids, topk_logps)) * len(targets))
-        probs = torch.softmax(logits.float(), dim=-1)
+        probs = torch.softmax(adapter.restrict(logits).float(), dim=-1)  # what the drafter proposes from
         confidence, predicted = probs.max(-1)
         target_top1 = topk_ids[:, 0]
         agree += int((predicted == target_top1).sum())
@@ -257,7 +277,9 @@ def train_adapter(backend, prompts_file: str | Path, work_dir: str | Path, out_d
     schedule = lambda step: min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, step / total_steps)))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     # one checkpoint series per (training configuration, data): a run with other settings never resumes this one
-    run_key = json.dumps({**attrs.asdict(config), "train_shards": [p.name for p in train_paths]}, sort_keys=True)
+    # (the draft vocabulary is chosen after training, so it does not start a new series)
+    trained = {k: v for k, v in attrs.asdict(config).items() if k != "draft_vocab"}
+    run_key = json.dumps({**trained, "train_shards": [p.name for p in train_paths]}, sort_keys=True)
     checkpoints = work / "checkpoints" / hashlib.sha256(run_key.encode()).hexdigest()[:16]
     checkpoints.mkdir(parents=True, exist_ok=True)
     history: list[dict] = []
@@ -290,11 +312,24 @@ def train_adapter(backend, prompts_file: str | Path, work_dir: str | Path, out_d
         _save_checkpoint(checkpoints / f"epoch-{epoch:03d}", adapter, optimizer, scheduler, history)
     timings["train"] = time.perf_counter() - t0
 
-    # 4. report
+    # 4. the draft vocabulary (optional): the most frequent answer tokens; final metrics are measured with it
+    final = history[-1]
+    vocab_report = None
+    if config.draft_vocab:
+        vocab = draft_vocab_from_records(train_records, config.draft_vocab, sorted(backend.eos_token_ids))
+        adapter.set_draft_vocab(vocab)
+        final = {"epoch": config.epochs, "train_loss": history[-1]["train_loss"],
+                 **evaluate(adapter, head, heldout_records, config, backend.eos_token_ids)}
+        vocab_report = {"size": len(vocab), "heldout_coverage": vocab_coverage(heldout_records, vocab),
+                        "full_vocabulary": {k: history[-1][k] for k in ("top1_agreement", "cr", "ctar")}}
+        log(f"draft vocabulary: {len(vocab)} tokens cover {vocab_report['heldout_coverage']:.3f} of held-out answer "
+            f"tokens; top-1 agreement {final['top1_agreement']:.3f}, CR {final['cr']:.3f}")
+
+    # 5. report
     out.mkdir(parents=True, exist_ok=True)
     adapter.save(out, base_fingerprint=backend.fingerprint, exit_layer=config.exit_layer,
-                 extra={"training": {"epochs": config.epochs, "heldout_top1_agreement": history[-1]["top1_agreement"],
-                                     "heldout_cr": history[-1]["cr"]}})
+                 extra={"training": {"epochs": config.epochs, "heldout_top1_agreement": final["top1_agreement"],
+                                     "heldout_cr": final["cr"]}})
     report = {
         "command_line": command_line,
         "config": attrs.asdict(config),
@@ -305,7 +340,8 @@ def train_adapter(backend, prompts_file: str | Path, work_dir: str | Path, out_d
                  "heldout_tokens": count(heldout_records), "heldout_response_tokens": response(heldout_records)},
         "wall_seconds": timings,
         "history": history,
-        "final": history[-1],
+        "final": final,
+        "draft_vocab": vocab_report,
         "adapter_parameters": sum(p.numel() for p in adapter.parameters()),
     }
     (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -140,14 +140,17 @@ def test_onnx_loop_is_token_identical_to_eager_and_transformers(bundles, seed, e
 
 
 @needs_ort
-def test_trained_adapter_is_exported_with_the_backend_and_drafts_the_same(tmp_path, one_torch_thread):
+@pytest.mark.parametrize("variant", ["plain", "draft_vocab", "ffn"])
+def test_trained_adapter_is_exported_with_the_backend_and_drafts_the_same(tmp_path, one_torch_thread, variant):
     from kangaroo_backends.torch_eager import model_fingerprint
 
     m, exit_layer = model(1), 1
-    adapter = KangarooAdapter.from_base_layer(m, exit_layer)
+    adapter = KangarooAdapter.from_base_layer(m, exit_layer, ffn=variant == "ffn")
     with torch.no_grad():
         for p in adapter.parameters():
             p.add_(0.05 * torch.randn_like(p))
+    if variant == "draft_vocab":  # half the vocabulary: -inf logits must survive the export exactly
+        adapter.set_draft_vocab(range(0, m.config.vocab_size, 2))
     adapter.save(tmp_path / "adapter", base_fingerprint=model_fingerprint(m), exit_layer=exit_layer)
     path = str(tmp_path / "adapter")
     backend = onnx_backend(1, exit_layer, None)

@@ -166,10 +166,12 @@ def _asdict(config):
     return attrs.asdict(config)
 
 
-def test_simulated_cr_equals_the_real_engine(tmp_path, backend):
-    """Teacher-forced metrics determine greedy acceptance: the simulation must match the engine round for round."""
+@pytest.mark.parametrize("draft_vocab", [0, 12])
+def test_simulated_cr_equals_the_real_engine(tmp_path, backend, draft_vocab):
+    """Teacher-forced metrics determine greedy acceptance: the simulation must match the engine round for round
+    (with a draft vocabulary too: the drafter and the evaluation restrict the same way)."""
     prompts = write_prompts(tmp_path / "p.jsonl", malformed=False)
-    config = CONFIG.__class__(**{**_asdict(CONFIG), "epochs": 1, "eta": 0.3, "gamma": 3})
+    config = CONFIG.__class__(**{**_asdict(CONFIG), "epochs": 1, "eta": 0.3, "gamma": 3, "draft_vocab": draft_vocab})
     train_adapter(backend, prompts, tmp_path / "w", tmp_path / "o", config, log=lambda m: None)
     adapter = KangarooAdapter.load(tmp_path / "o", backend.model, base_fingerprint=backend.fingerprint, exit_layer=1)
     records = list(distill.load_shards(sorted((tmp_path / "w" / "shards").glob("heldout-*.safetensors")), 1))
@@ -186,3 +188,66 @@ def test_simulated_cr_equals_the_real_engine(tmp_path, backend):
         correct = (predicted == torch.tensor(response)).tolist()
         simulated = simulate_greedy_rounds(correct[1:], confidence.tolist()[1:], 0.3, 3, budget_limited=True)
         assert [r.accepted for r in result.rounds] == simulated
+
+
+def test_draft_vocabulary_restricts_drafting_and_stays_lossless(tmp_path, backend):
+    from kangaroo_plugins.train import draft_vocab_from_records
+    from tiny import hf_greedy
+
+    prompts = write_prompts(tmp_path / "p.jsonl", malformed=False)
+    work = tmp_path / "w"
+    full = train_adapter(backend, prompts, work, tmp_path / "full", CONFIG, log=lambda m: None)
+    logs = []
+    config = CONFIG.__class__(**{**_asdict(CONFIG), "draft_vocab": 10})
+    report = train_adapter(backend, prompts, work, tmp_path / "small", config, log=logs.append)
+    assert any(m.startswith("resuming after epoch-003") for m in logs)  # the vocabulary does not retrain
+    assert report["history"] == full["history"]
+    records = list(distill.load_shards(sorted((work / "shards").glob("train-*.safetensors")), 1))
+    vocab = draft_vocab_from_records(records, 10, sorted(backend.eos_token_ids))
+    assert report["draft_vocab"]["size"] == len(vocab) and 0 < report["draft_vocab"]["heldout_coverage"] <= 1
+    meta = json.loads((tmp_path / "small" / "adapter.json").read_text())
+    assert meta["architecture"]["draft_vocab_size"] == len(vocab)
+    adapter = KangarooAdapter.load(tmp_path / "small", backend.model, base_fingerprint=backend.fingerprint, exit_layer=1)
+    assert adapter.draft_vocab.tolist() == vocab
+    with torch.no_grad():
+        logits = adapter.logits(torch.randn(3, backend.model.config.hidden_size, dtype=torch.float64), backend.lm_head)
+    finite = torch.isfinite(logits)
+    assert finite.sum(-1).tolist() == [len(vocab)] * 3 and finite[:, vocab].all()
+    # the most frequent answer token is in, counted by hand
+    counts = {}
+    for r in records:
+        for t in r["input_ids"][r["prompt_length"]:].tolist():
+            counts[t] = counts.get(t, 0) + 1
+    assert max(counts, key=lambda t: (counts[t], -t)) in vocab
+    # drafting only proposes listed tokens, and the output is the target's own
+    seen = []
+
+    class Recording(ThresholdPolicy):
+        def keep_drafting(self, step):
+            seen.append(step.token)
+            return super().keep_drafting(step)
+
+    engine = Engine(backend, KangarooDrafter(str(tmp_path / "small")), Recording(eta=0.0), GreedyVerifier(),
+                    DecodeConfig(exit_layer=1, eta=0.0, gamma=4))
+    for record in records[:4]:
+        p = record["prompt_length"]
+        prompt = record["input_ids"][:p].tolist()
+        assert engine.generate_ids(prompt, max_new_tokens=16).token_ids == hf_greedy(backend.model, prompt, 16)
+    assert seen and set(seen) <= set(vocab)
+
+
+def test_adapter_with_a_broken_draft_vocabulary_is_refused(tmp_path, backend):
+    from safetensors.torch import load_file, save_file
+
+    adapter = KangarooAdapter.from_base_layer(backend.model, 1)
+    adapter.set_draft_vocab([3, 1, 2])
+    adapter.save(tmp_path / "a", base_fingerprint=backend.fingerprint, exit_layer=1)
+    loaded = KangarooAdapter.load(tmp_path / "a", backend.model, base_fingerprint=backend.fingerprint, exit_layer=1)
+    assert loaded.draft_vocab.tolist() == [1, 2, 3]
+    state = load_file(tmp_path / "a" / "adapter.safetensors")
+    del state["draft_vocab"]
+    save_file(state, tmp_path / "a" / "adapter.safetensors")
+    with pytest.raises(AdapterMismatchError, match="draft vocabulary"):
+        KangarooAdapter.load(tmp_path / "a", backend.model, base_fingerprint=backend.fingerprint, exit_layer=1)
+    with pytest.raises(ValueError):
+        adapter.set_draft_vocab([10**9])
