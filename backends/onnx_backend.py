@@ -292,13 +292,15 @@ class OnnxBackend(Backend):
 
     # -- the split model -------------------------------------------------------------------------------------------
     def shallow(self, token_ids: Sequence[int]) -> torch.Tensor:
-        self._ensure(self.adapter_path)
+        if self.loaded is None:  # the hot path never re-checks the export (reset() does, once per generation)
+            self._ensure(self.adapter_path)
         ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=self.device)[None]
         (hidden,) = self.shallow_runner.run(ids, [(1, ids.shape[1], self.hidden_size)])
         return hidden[0]
 
     def deep(self, hidden: torch.Tensor) -> torch.Tensor:
-        self._ensure(self.adapter_path)
+        if self.loaded is None:
+            self._ensure(self.adapter_path)
         x = hidden.to(device=self.device, dtype=torch.float32)[None].contiguous()
         (logits,) = self.deep_runner.run(x, [(1, x.shape[1], self.vocab_size)])
         return logits[0]

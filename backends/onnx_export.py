@@ -215,12 +215,19 @@ def adapter_key(adapter_path: str | os.PathLike | None) -> str:
         return "untrained"
     from kangaroo_plugins.adapter import METADATA_FILE, WEIGHTS_FILE
 
-    digest = hashlib.sha256()
-    for name in (METADATA_FILE, WEIGHTS_FILE):
-        path = Path(adapter_path) / name
-        if path.is_file():
-            digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
+    paths = [Path(adapter_path) / name for name in (METADATA_FILE, WEIGHTS_FILE)]
+    stamp = tuple((str(p.resolve()), p.stat().st_mtime_ns, p.stat().st_size) if p.is_file() else (str(p), None, None)
+                  for p in paths)
+    if stamp not in _ADAPTER_KEYS:  # hashing megabytes once per file version, not once per generation
+        digest = hashlib.sha256()
+        for path in paths:
+            if path.is_file():
+                digest.update(path.read_bytes())
+        _ADAPTER_KEYS[stamp] = digest.hexdigest()[:16]
+    return _ADAPTER_KEYS[stamp]
+
+
+_ADAPTER_KEYS: dict[tuple, str] = {}
 
 
 def _export_graph(module: nn.Module, args: tuple, path: Path, inputs: list[str], outputs: list[str], dynamic: dict,

@@ -15,9 +15,11 @@ Glossary: ``correct[j]`` — the draft for answer token j+1 equals it (accepted 
 draft's top-1 probability; a round = (accepted, drafted).
 
 Cost model (measured here, per call, median of repeats): ``t_exit`` = M[:l] for one token (step 1 of a round),
-``t_draft`` = one draft step (drafter advance + M[:l] of the draft), ``t_verify[k]`` = M[l:] over k+1 positions.
-Predicted time of a round = t_exit + drafted·t_draft + t_verify[drafted]; target alone = t_exit + t_verify[0] per
-token. Predicted speedup = tokens·(t_exit + t_verify[0]) / Σ rounds' time. It ignores Python overhead per round, so
+``t_draft`` = one draft step (drafter advance + M[:l] of the draft), ``t_verify[k]`` = M[l:] over k+1 positions,
+fitted by a line base + slope·k. Predicted time of a round = t_exit + drafted·t_draft + verify(drafted); target alone
+= t_exit + verify(0) per token. On a CPU the verify is compute-bound, so every extra position costs ``slope`` — one
+more draft really costs (t_draft + slope) / base verify passes (``marginal_draft_cost``: the number to give the
+``learned`` policy as ``draft_cost``). Predicted speedup = tokens·(t_exit + t_verify[0]) / Σ rounds' time. It ignores Python overhead per round, so
 it ranks policies rather than promising a wall-time figure (``kangaroo bench`` measures those).
 """
 
@@ -74,16 +76,34 @@ class Costs:
     t_draft: float
     t_verify: tuple[float, ...]  # t_verify[k]: M[l:] over k + 1 positions, k = 0..gamma
 
+    @property
+    def verify_line(self) -> tuple[float, float]:
+        """Least-squares ``t_verify[k] ≈ base + slope·k`` (single medians are noisy on a shared machine)."""
+        ks = range(len(self.t_verify))
+        n, mean_k = len(self.t_verify), (len(self.t_verify) - 1) / 2
+        mean_t = sum(self.t_verify) / n
+        var = sum((k - mean_k) ** 2 for k in ks)
+        slope = sum((k - mean_k) * (t - mean_t) for k, t in zip(ks, self.t_verify)) / var if var else 0.0
+        return mean_t - slope * mean_k, slope
+
+    def verify_seconds(self, drafted: int) -> float:
+        base, slope = self.verify_line
+        return base + slope * drafted
+
     def round_seconds(self, drafted: int) -> float:
-        return self.t_exit + drafted * self.t_draft + self.t_verify[drafted]
+        return self.t_exit + drafted * self.t_draft + self.verify_seconds(drafted)
 
     @property
     def vanilla_token_seconds(self) -> float:
-        return self.t_exit + self.t_verify[0]
+        return self.t_exit + self.verify_seconds(0)
 
     def as_dict(self) -> dict[str, Any]:
+        base, slope = self.verify_line
         return {"t_exit": self.t_exit, "t_draft": self.t_draft, "t_verify": list(self.t_verify),
-                "draft_cost_per_verify": self.t_draft / self.t_verify[0]}
+                "verify_fit": {"base": base, "per_extra_position": slope},
+                "draft_cost_per_verify": self.t_draft / base,
+                # what one more draft really costs, in verify passes: the draft step + one more verified position
+                "marginal_draft_cost": (self.t_draft + slope) / base}
 
 
 def _step(logits: torch.Tensor | None) -> DraftStep | None:
@@ -430,7 +450,8 @@ def analysis_markdown(result: dict[str, Any], info: dict[str, Any]) -> str:
     c = result["costs"]
     lines.append(f"- measured costs: first exit {1e3 * c['t_exit']:.2f} ms, draft step {1e3 * c['t_draft']:.2f} ms, "
                  f"verify 1/{len(c['t_verify'])} positions {1e3 * c['t_verify'][0]:.2f}/{1e3 * c['t_verify'][-1]:.2f} ms "
-                 f"(draft step = {c['draft_cost_per_verify']:.2f} verify)")
+                 f"(draft step = {c['draft_cost_per_verify']:.2f} verify; one more draft incl. its verify position = "
+                 f"{c['marginal_draft_cost']:.2f} verify)")
     lines += ["", "## Calibration (draft confidence vs acceptance)", "",
               "| scope | drafts | mean confidence | acceptance rate | ECE |", "|---|---:|---:|---:|---:|"]
     for scope, e in result["calibration"].items():

@@ -163,7 +163,13 @@ def test_trained_adapter_is_exported_with_the_backend_and_drafts_the_same(tmp_pa
         mp.setattr(ob, "cache_dir", lambda: tmp_path / "cache")
         onnx = kangaroo_engine(backend, exit_layer, 0.0, 4, KangarooDrafter(adapter=path))
         eager = kangaroo_engine(tiny_backend(m, exit_layer=exit_layer), exit_layer, 0.0, 4, KangarooDrafter(adapter=path))
+        calls = []
+        real_key = ob.adapter_key
+        mp.setattr(ob, "adapter_key", lambda path: calls.append(path) or real_key(path))
+        onnx.generate_ids([3, 4, 5], 2)
+        short = len(calls)
         got, want = onnx.generate_ids([3, 4, 5], 24), eager.generate_ids([3, 4, 5], 24)
+        assert len(calls) == 2 * short  # the export is checked per generation, never per token
     assert got.token_ids == want.token_ids
     assert [(r.drafted, r.accepted) for r in got.rounds] == [(r.drafted, r.accepted) for r in want.rounds]
     (export,) = (tmp_path / "cache" / "onnx").iterdir()

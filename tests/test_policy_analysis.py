@@ -99,6 +99,10 @@ def test_calibration_bins_and_ece_by_hand():
 
 def test_round_summary_and_cost_model():
     costs = Costs(t_exit=1.0, t_draft=2.0, t_verify=(10.0, 11.0, 12.0, 13.0))
+    assert costs.verify_line == pytest.approx((10.0, 1.0))
+    assert costs.as_dict()["marginal_draft_cost"] == pytest.approx((2.0 + 1.0) / 10.0)
+    noisy = Costs(t_exit=1.0, t_draft=2.0, t_verify=(10.0, 12.0, 11.0, 13.0))
+    assert noisy.verify_line == pytest.approx((10.3, 0.8))  # least squares, not the single medians
     rounds = [(3, 3), (0, 1), (1, 2)]  # (accepted, drafted)
     summary = round_summary(rounds, costs, gamma=3)
     assert summary["cr"] == pytest.approx((4 + 1 + 2) / 3)
