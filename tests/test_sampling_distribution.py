@@ -108,11 +108,17 @@ def test_exact_distribution_is_a_distribution(model):
     assert (p == 0).any() and (p > 0.001).sum() > 20  # filtering removes some outcomes; many remain
 
 
-@pytest.mark.parametrize("kind", ["sampled drafts", "greedy drafts", "scripted drafts", "vanilla"])
+@pytest.mark.parametrize("kind", ["sampled drafts", "greedy drafts", "scripted drafts", "vanilla",
+                                  "sampled drafts, draft vocabulary"])
 def test_first_tokens_follow_the_target_distribution(model, kind, sampled_drafting_outcomes):
     """Chi-square of the joint distribution of the first three tokens against the exact target distribution."""
     if kind == "sampled drafts":
         outcomes, accepted, drafted = sampled_drafting_outcomes
+    elif kind == "sampled drafts, draft vocabulary":  # q is zero outside {0, 2, 4}: the residual must supply 1, 3
+        engine = make_engine(model, KangarooDrafter(), SAMPLING.replace(sample_drafts=True))
+        engine.drafter.adapter.set_draft_vocab([0, 2, 4])
+        outcomes, accepted, drafted = sample_outcomes(engine, 300, seed0=2000)
+        assert any(t in (1, 3) for o in outcomes for t in (o // VOCAB**2, o // VOCAB % VOCAB, o % VOCAB))
     else:
         drafter = None if kind == "vanilla" else KangarooDrafter() if kind == "greedy drafts" else \
             ScriptedDrafter(PROMPT + [0, 1, 2], VOCAB, confidence=0.5, strict=False)
