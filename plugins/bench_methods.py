@@ -6,6 +6,9 @@
 * ``vanilla`` — our engine with no drafter (the same loop, one token per pass);
 * ``kangaroo`` — our engine with the configured drafter, adapter, policy and verifier.
 
+The onnxruntime methods (``ort_vanilla``, ``vanilla_onnx``, ``kangaroo_onnx``) live in
+:mod:`kangaroo_plugins.onnx_bench_methods`.
+
 The transformers methods run on the backend's own model object (loaded once, shared). They report CR as new tokens
 per full-depth target pass (counted with a pre-hook on the last decoder layer, which early-exit drafts never reach),
 and no CTAR (transformers does not expose per-round acceptance).
