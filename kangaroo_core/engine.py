@@ -21,6 +21,7 @@ import time
 from collections.abc import Generator, Iterator, Sequence
 from typing import Any
 
+import attrs
 import torch
 
 from kangaroo_core.config import ConfigError, DecodeConfig
@@ -255,13 +256,10 @@ class Engine:
             unseen = unseen[:0]
             if logits is None:
                 break
-            probs = torch.softmax(logits.float(), dim=-1)
-            confidence, token = probs.max(dim=-1)
-            proposal = target_probs(logits, sampling) if sample_drafts else None  # q; None: point mass on the top-1
-            if proposal is not None:
-                token = draw(proposal, generator)
-            step = DraftStep(index=len(drafts) + 1, token=int(token), probs=probs, confidence=float(confidence),
-                             proposal=proposal)
+            step = DraftStep.from_logits(logits, index=len(drafts) + 1)  # top-1; q is a point mass on it
+            if sample_drafts:  # q = the drafter's processed distribution, and the draft is a draw from it
+                proposal = target_probs(logits, sampling)
+                step = attrs.evolve(step, token=draw(proposal, generator), proposal=proposal)
             drafts.append(step)
             sequence.append(step.token)
             # the draft's layer-l state: needed to verify it, and by the drafter if we continue

@@ -26,6 +26,13 @@ class DraftStep:
     confidence: float
     proposal: torch.Tensor | None = attrs.field(default=None, eq=False, repr=False)
 
+    @classmethod
+    def from_logits(cls, logits: torch.Tensor, index: int) -> "DraftStep":
+        """The drafter's top-1 proposal from its next-token logits [V] (greedy drafting: q is a point mass)."""
+        probs = torch.softmax(logits.float(), dim=-1)
+        confidence, token = probs.max(dim=-1)
+        return cls(index=index, token=int(token), probs=probs, confidence=float(confidence))
+
 
 @attrs.frozen
 class Verdict:

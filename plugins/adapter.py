@@ -74,7 +74,6 @@ class KangarooAdapter(nn.Module):
         super().__init__()
         self.ffn, self.separate_head = ffn, separate_head
         self.draft_vocab: torch.Tensor | None = None  # token ids the drafter may propose (None: all)
-        self._draft_head: tuple[int, DraftHead] | None = None
         config = copy.deepcopy(model_config)
         config.num_hidden_layers = 1
         config._attn_implementation = model_config._attn_implementation or "sdpa"
@@ -117,7 +116,6 @@ class KangarooAdapter(nn.Module):
             if len(ids) == 0 or int(ids[0]) < 0 or int(ids[-1]) >= self.config.vocab_size:
                 raise ValueError(f"draft vocabulary must be non-empty token ids in [0, {self.config.vocab_size})")
             self.draft_vocab = ids
-        self._draft_head = None
 
     def full_logits(self, out: torch.Tensor, shared_head: nn.Module) -> torch.Tensor:
         """Adapter output → logits over the whole vocabulary (training): its own head if it has one, else the
@@ -125,17 +123,16 @@ class KangarooAdapter(nn.Module):
         return self.head(out) if self.separate_head else shared_head(out)
 
     def drafting_head(self, shared_head: nn.Module) -> nn.Module:
-        """The head used for drafting: the full one, or a :class:`DraftHead` over the draft vocabulary."""
+        """The head used for drafting: the full one, or a :class:`DraftHead` over the draft vocabulary (a copy of
+        those rows: build it once, as the drafter does when it binds, not per token)."""
         base = self.head if self.separate_head else shared_head
         if self.draft_vocab is None:
             return base
-        key = base.weight.data_ptr()
-        if self._draft_head is None or self._draft_head[0] != key:
-            self._draft_head = (key, DraftHead(base.weight, self.draft_vocab.to(base.weight.device)))
-        return self._draft_head[1]
+        return DraftHead(base.weight, self.draft_vocab.to(base.weight.device))
 
     def logits(self, out: torch.Tensor, shared_head: nn.Module) -> torch.Tensor:
-        """Adapter output → drafting logits (-inf outside the draft vocabulary when there is one)."""
+        """Adapter output → drafting logits (-inf outside the draft vocabulary when there is one); for one-off use
+        (evaluation, export checks) — it builds the drafting head each call."""
         return self.drafting_head(shared_head)(out)
 
     def restrict(self, logits: torch.Tensor) -> torch.Tensor:

@@ -64,7 +64,7 @@ class KangarooDrafter(SelfDrafter):
         self.resolved_adapter = self.resolve_adapter(backend)
         factory = getattr(backend, "adapter_runner", None)
         if factory is not None:  # e.g. the onnx backend: the adapter + shared head run as one exported graph
-            self.adapter, self.lm_head, self.cache = None, None, None
+            self.adapter, self.head, self.cache = None, None, None
             self.runner = factory(self.resolved_adapter)
             self.seen = 0
             return
@@ -78,7 +78,7 @@ class KangarooDrafter(SelfDrafter):
                 self.resolved_adapter, model, base_fingerprint=backend.fingerprint, exit_layer=backend.exit_layer
             )
         self.adapter.eval()
-        self.lm_head = backend.lm_head
+        self.head = self.adapter.drafting_head(backend.lm_head)  # resolved once: shared head or draft-vocab rows
         self.cache = self.adapter.new_cache()
         self.runner = None
         self.seen = 0
@@ -98,7 +98,7 @@ class KangarooDrafter(SelfDrafter):
             return logits
         out = self.adapter(hidden[None], self.seen, self.cache)  # [1, n, d]
         self.seen += hidden.shape[0]
-        return self.adapter.logits(out[0, -1], self.lm_head)  # [V]
+        return self.head(out[0, -1])  # [V]
 
     def crop(self, length: int) -> None:
         if self.runner is not None:

@@ -107,12 +107,8 @@ class Costs:
 
 
 def _step(logits: torch.Tensor | None) -> DraftStep | None:
-    """A draft as the engine builds it (index fixed later, per replayed round)."""
-    if logits is None:
-        return None
-    probs = torch.softmax(logits.float(), dim=-1)
-    confidence, token = probs.max(dim=-1)
-    return DraftStep(index=1, token=int(token), probs=probs, confidence=float(confidence))
+    """A draft exactly as the engine builds it (index fixed later, per replayed round)."""
+    return None if logits is None else DraftStep.from_logits(logits, index=1)
 
 
 @torch.inference_mode()
@@ -442,6 +438,13 @@ def run_analysis(engine: Any, questions: Sequence[Any], specs: Sequence[tuple[st
     }
 
 
+def _table(title: str, header: list[str], rows: list[list[Any]]) -> list[str]:
+    """A markdown section: floats with 3 decimals, None as –, the first column left-aligned."""
+    cell = lambda v: "–" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["", f"## {title}", "", "| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    return lines + ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+
+
 def analysis_markdown(result: dict[str, Any], info: dict[str, Any]) -> str:
     """A short human-readable summary (tables) of :func:`run_analysis`'s result."""
     lines = ["# kangaroo analyze-policies", "", f"- command: `{info.get('command', '')}`",
@@ -452,25 +455,26 @@ def analysis_markdown(result: dict[str, Any], info: dict[str, Any]) -> str:
                  f"verify 1/{len(c['t_verify'])} positions {1e3 * c['t_verify'][0]:.2f}/{1e3 * c['t_verify'][-1]:.2f} ms "
                  f"(draft step = {c['draft_cost_per_verify']:.2f} verify; one more draft incl. its verify position = "
                  f"{c['marginal_draft_cost']:.2f} verify)")
-    lines += ["", "## Calibration (draft confidence vs acceptance)", "",
-              "| scope | drafts | mean confidence | acceptance rate | ECE |", "|---|---:|---:|---:|---:|"]
-    for scope, e in result["calibration"].items():
-        lines.append(f"| {scope} | {e['drafts']} | {e['mean_confidence']:.3f} | {e['acceptance_rate']:.3f} | "
-                     f"{e['expected_calibration_error']:.3f} |")
-    lines += ["", "## Optimal eta (threshold policy, cost-model speedup)", "",
-              "| scope | optimal eta | predicted speedup there | CR there | predicted speedup at eta 0.6 |",
-              "|---|---:|---:|---:|---:|"]
+    cal = [[scope, e["drafts"], e["mean_confidence"], e["acceptance_rate"], e["expected_calibration_error"]]
+           for scope, e in result["calibration"].items()]
+    lines += _table("Calibration (draft confidence vs acceptance)",
+                    ["scope", "drafts", "mean confidence", "acceptance rate", "ECE"], cal)
+    eta_rows = []
     for scope, e in result["eta"].items():
         best = next(p for p in e["points"] if p["eta"] == e["optimal_eta"])
-        at06 = next((p for p in e["points"] if abs(p["eta"] - 0.6) < 1e-9), None)
-        lines.append(f"| {scope} | {e['optimal_eta']:g} | {best['predicted_speedup']:.3f} | {best['cr']:.3f} | "
-                     f"{'–' if at06 is None else format(at06['predicted_speedup'], '.3f')} |")
-    lines += ["", "## Policies (simulated exactly on the target's greedy answers)", "",
-              "| policy | CR | CTAR(1) | CTAR(2) | drafts/round | wasted drafts/round | predicted speedup |",
-              "|---|---:|---:|---:|---:|---:|---:|"]
+        at06 = next((p for p in e["points"] if abs(p["eta"] - 0.6) < 1e-9), {})
+        eta_rows.append([scope, f"{e['optimal_eta']:g}", best["predicted_speedup"], best["cr"],
+                         at06.get("predicted_speedup")])
+    lines += _table("Optimal eta (threshold policy, cost-model speedup)",
+                    ["scope", "optimal eta", "predicted speedup there", "CR there", "predicted speedup at eta 0.6"],
+                    eta_rows)
+    policy_rows = []
     for label, scopes in result["policies"].items():
         o = scopes["overall"]
         ctar = (o["ctar"] or []) + [None, None]
-        cells = [o["cr"], ctar[0], ctar[1], o["drafts_per_round"], o.get("wasted_drafts_per_round"), o["predicted_speedup"]]
-        lines.append(f"| {label} | " + " | ".join("–" if v is None else f"{v:.3f}" for v in cells) + " |")
+        policy_rows.append([label, o["cr"], ctar[0], ctar[1], o["drafts_per_round"], o.get("wasted_drafts_per_round"),
+                            o["predicted_speedup"]])
+    lines += _table("Policies (simulated exactly on the target's greedy answers)",
+                    ["policy", "CR", "CTAR(1)", "CTAR(2)", "drafts/round", "wasted drafts/round", "predicted speedup"],
+                    policy_rows)
     return "\n".join(lines) + "\n"

@@ -110,13 +110,18 @@ def test_exact_distribution_is_a_distribution(model):
 
 @pytest.mark.parametrize("kind", ["sampled drafts", "greedy drafts", "scripted drafts", "vanilla",
                                   "sampled drafts, draft vocabulary"])
-def test_first_tokens_follow_the_target_distribution(model, kind, sampled_drafting_outcomes):
+def test_first_tokens_follow_the_target_distribution(model, kind, sampled_drafting_outcomes, tmp_path):
     """Chi-square of the joint distribution of the first three tokens against the exact target distribution."""
     if kind == "sampled drafts":
         outcomes, accepted, drafted = sampled_drafting_outcomes
     elif kind == "sampled drafts, draft vocabulary":  # q is zero outside {0, 2, 4}: the residual must supply 1, 3
-        engine = make_engine(model, KangarooDrafter(), SAMPLING.replace(sample_drafts=True))
-        engine.drafter.adapter.set_draft_vocab([0, 2, 4])
+        from kangaroo_backends.torch_eager import model_fingerprint
+        from kangaroo_plugins.adapter import KangarooAdapter
+
+        adapter = KangarooAdapter.from_base_layer(model, 1)
+        adapter.set_draft_vocab([0, 2, 4])
+        adapter.save(tmp_path / "adapter", base_fingerprint=model_fingerprint(model), exit_layer=1)
+        engine = make_engine(model, KangarooDrafter(str(tmp_path / "adapter")), SAMPLING.replace(sample_drafts=True))
         outcomes, accepted, drafted = sample_outcomes(engine, 300, seed0=2000)
         assert any(t in (1, 3) for o in outcomes for t in (o // VOCAB**2, o // VOCAB % VOCAB, o % VOCAB))
     else:
