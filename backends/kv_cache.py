@@ -41,9 +41,22 @@ class KVCache:
             new[:, :, : self.lengths[layer_idx]] = old[:, :, : self.lengths[layer_idx]]
             store[layer_idx] = new
 
-    def crop(self, length: int, layers: range | None = None) -> None:
-        for i in layers if layers is not None else range(self.num_layers):
-            self.lengths[i] = min(self.lengths[i], length)
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` positions of every layer (O(1): only the length pointers move)."""
+        self.lengths = [min(n, length) for n in self.lengths]
+
+    def keep(self, positions) -> None:
+        """Keep exactly these positions (ascending) of every layer, compacted to the front; a prefix is a crop."""
+        positions = list(positions)
+        prefix = next((i for i, p in enumerate(positions) if p != i), len(positions))
+        if prefix == len(positions):
+            return self.crop(len(positions))
+        for i in range(self.num_layers):
+            valid = [p for p in positions if p < self.lengths[i]]
+            index = torch.as_tensor(valid, dtype=torch.long, device=self.keys[i].device)
+            for store in (self.keys, self.values):
+                store[i][:, :, : len(valid)] = store[i].index_select(2, index)
+            self.lengths[i] = len(valid)
 
     def reset(self) -> None:
         self.lengths = [0] * self.num_layers

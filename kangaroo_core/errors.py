@@ -5,6 +5,10 @@ class KangarooError(Exception):
     """Base class for errors caused by user input (bad flag, missing file, unknown plugin...)."""
 
 
+class UsageError(KangarooError):
+    """A flag or argument is malformed or names nothing that exists (the CLI exits 2, as for click's usage errors)."""
+
+
 class PluginError(KangarooError):
     """A plugin name is unknown, registered twice, or a plugin failed to load."""
 

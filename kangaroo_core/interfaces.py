@@ -1,20 +1,28 @@
-"""The four extension points of the decode loop.
+"""The extension points of the decode loop, and the contract between them.
 
 One round of Kangaroo decoding (paper §3, "double early exiting")::
 
     x_n ──M[:l]──► h_n ──drafter──► d_1 ──M[:l]──► h_1 ──drafter──► d_2 … d_k     (1. draft, 2. stop)
                                        policy: keep drafting?           │
-    [h_n, h_1 … h_k] ──M[l:]──► target logits [k+1, V] ──verifier──► accepted prefix + one target token
+    [h_n, h_1 … h_k] ──M[l:]──► target logits [k+1, V] ──verifier──► accepted path + one target token
                                                                       (3. verify, 4. accept, 5. roll back)
 
 * :class:`Backend` runs the target model split at the exit layer l: the shallow part M[:l], the deep part M[l:]
   (fed with saved layer-l hidden states, never recomputing M[:l]) and the shared LM head, and owns the target's
-  KV cache.
-* :class:`SelfDrafter` turns layer-l hidden states into a next-token distribution (the Kangaroo adapter + shared head).
+  KV caches.
+* :class:`SelfDrafter` turns layer-l hidden states into a next-token distribution (the Kangaroo adapter + shared head);
+  it owns its positions (:attr:`SelfDrafter.seen`) and may receive the target's deep states of accepted positions.
 * :class:`StoppingPolicy` decides after each draft whether to draft another (the second early exit).
-* :class:`Verifier` compares the drafts with the target's logits and decides what is accepted.
+* :class:`Verifier` compares the drafts with the target's logits and names the accepted path.
+* :class:`BenchMethod` is one way of generating a reply that ``kangaroo bench`` measures.
+
+Positions are explicit: every call that adds to a cache says at which absolute position its first new entry goes
+(``start``), and the callee checks it. A chain round is the simple case of each call: ``deep`` asked for every row,
+:meth:`Backend.keep` of a prefix (:meth:`Backend.crop`), a :class:`~kangaroo_core.results.Verdict` whose path is
+``0..m-1``.
 
 Implementations are plugins (see :mod:`kangaroo_core.hookspecs`); the engine resolves them once, when it is built.
+This module imports nothing else of kangaroo at run time, so every other module may import it.
 """
 
 from __future__ import annotations
@@ -23,22 +31,45 @@ import abc
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import torch
 
 if TYPE_CHECKING:
     from kangaroo_core.config import DecodeConfig
-    from kangaroo_core.results import DraftStep, Verdict
+    from kangaroo_core.results import DraftStep, RoundResult, Verdict
+
+
+@attrs.frozen
+class DeepOutput:
+    """What one pass of M[l:] returns.
+
+    Attributes:
+        logits: [r, V] — the target's next-token logits of the rows that were asked for (all n rows by default).
+        hidden: [n, d] — the target's final hidden states (after the final norm, the LM head's input) of every one
+            of the n positions; the deep context a drafter may read (:meth:`SelfDrafter.observe_deep`).
+    """
+
+    logits: torch.Tensor = attrs.field(repr=False)
+    hidden: torch.Tensor = attrs.field(repr=False)
 
 
 class Backend(abc.ABC):
-    """The target model, split at the exit layer, with its KV cache.
+    """The target model, split at the exit layer, with its KV caches.
 
-    Shapes: ``n`` new positions, ``d`` hidden size, ``V`` vocabulary size. Both cache pointers start at 0 after
-    :meth:`reset`; :meth:`shallow` and :meth:`deep` append, :meth:`crop` rolls both back.
+    Shapes: ``n`` new positions, ``d`` hidden size, ``V`` vocabulary size. After :meth:`reset` both caches are empty;
+    :meth:`shallow` and :meth:`deep` append at position ``start`` (which must equal that cache's length, see
+    :meth:`cache_lengths`); :meth:`keep` / :meth:`crop` roll both back.
+
+    What a drafter may use of a backend: the identity attributes below, :attr:`runtime` (to pick how it runs its own
+    network), :meth:`base_model` (the transformers model the split was made from: to build its weights from the
+    target's, once, when it binds) and :meth:`shared_head` (the target's LM head). A drafter never runs the target
+    itself: the engine feeds it every layer-l state (and, if it asks, every accepted deep state) the target computes.
     """
 
     #: Registered name, e.g. ``"torch"``.
     name: str = ""
+    #: What runs the graphs: ``"torch"`` (eager PyTorch) or ``"onnxruntime"``; drafters pick their runner by it.
+    runtime: str = "torch"
 
     @classmethod
     @abc.abstractmethod
@@ -51,8 +82,11 @@ class Backend(abc.ABC):
     exit_layer: int
     num_layers: int
     vocab_size: int
+    hidden_size: int
     max_context: int
-    #: A short hash identifying the base model's weights; adapters record it.
+    #: Where the backend's tensors live (outputs of :meth:`shallow` / :meth:`deep` are on it).
+    device: torch.device
+    #: A short hash identifying the base model's weights; adapters, predictors and corpora record it.
     fingerprint: str
     #: Human-readable model identity (path or file name).
     model_name: str
@@ -62,28 +96,86 @@ class Backend(abc.ABC):
         """Forget all cached positions (start of a new generation)."""
 
     @abc.abstractmethod
-    def shallow(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """Run M[:l] on ``token_ids`` (the next positions) and return their layer-l hidden states, [n, d]."""
+    def shallow(self, token_ids: Sequence[int], start: int) -> torch.Tensor:
+        """Run M[:l] on ``token_ids`` at positions ``start..start+n-1``; return their layer-l hidden states [n, d]."""
 
     @abc.abstractmethod
-    def deep(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Run M[l:] + final norm + LM head on saved layer-l states [n, d] of the next positions; return [n, V]."""
+    def deep(self, hidden: torch.Tensor, start: int, rows: Sequence[int] | None = None) -> DeepOutput:
+        """Run M[l:] + final norm on saved layer-l states [n, d] of positions ``start..``; the LM head only on
+        ``rows`` (indices into the n positions; None: every row). The prefill asks for its last row only: a
+        [prompt, V] logits matrix is most of a prefill's cost on a small model."""
+
+    @abc.abstractmethod
+    def keep(self, positions: Sequence[int]) -> None:
+        """Keep exactly these cached positions (ascending), in both caches, and drop every other one.
+
+        After a tree round the accepted path is ``committed prefix + some nodes``; after a chain round it is a prefix
+        (:meth:`crop`). Positions past a cache's length are ignored for that cache.
+        """
+
+    def crop(self, length: int) -> None:
+        """Keep only the first ``length`` positions of both caches (the chain form of :meth:`keep`)."""
+        self.keep(range(length))
+
+    @abc.abstractmethod
+    def cache_lengths(self) -> tuple[int, int]:
+        """(shallow, deep) cached positions."""
+
+    def base_model(self) -> Any:
+        """The transformers ``*ForCausalLM`` the split was made from (weights shared, never run per token), for
+        drafters that build their weights from the target's; None for a backend without one."""
+        return None
+
+    def shared_head(self) -> torch.nn.Module | None:
+        """The target's LM head as a torch module (d → V), for drafters that share it; None when there is none."""
+        model = self.base_model()
+        return None if model is None else model.get_output_embeddings()
+
+    def resplit(self, exit_layer: int) -> "Backend":
+        """The same loaded model split at another exit layer (weights shared, caches separate)."""
+        raise NotImplementedError(f"the '{self.name}' backend cannot be re-split at exit layer {exit_layer}")
+
+    # -- for drafters with a network of their own, on backends whose runtime is not torch (e.g. onnxruntime) -------
+    def artifact_dir(self) -> Any:
+        """A directory (``pathlib.Path``) where drafters keep graphs they export for this backend's runtime, inside
+        the backend's own export so one directory ships everything."""
+        raise NotImplementedError(f"the '{self.name}' backend keeps no exported graphs")
+
+    def open_graph(self, path: Any, inputs: list[str], outputs: list[str], kv_layers: int) -> Any:
+        """Run a drafter's exported graph the way the backend runs its own (provider, threads, KV buffers): returns
+        a runner with ``run(first, out_shapes)``, ``length``, ``reset()``, ``crop(n)``, ``keep(positions)``."""
+        raise NotImplementedError(f"the '{self.name}' backend runs no exported graphs")
+
+
+class DraftRunner(abc.ABC):
+    """A drafter network running on one backend's runtime, with its own KV cache — what a drafter plugs in to run
+    the same weights on torch or on onnxruntime (see :class:`kangaroo_plugins.kangaroo.runners`)."""
+
+    #: Positions in the runner's cache.
+    length: int = 0
+
+    @abc.abstractmethod
+    def reset(self) -> None:
+        """Empty the cache."""
 
     @abc.abstractmethod
     def crop(self, length: int) -> None:
-        """Keep only the first ``length`` positions of the shallow and deep KV caches."""
+        """Keep the first ``length`` cached positions."""
 
-    def cache_lengths(self) -> tuple[int, int]:
-        """(shallow, deep) cached positions; for checks and tests."""
-        raise NotImplementedError
+    @abc.abstractmethod
+    def advance(self, hidden: torch.Tensor, start: int) -> torch.Tensor:
+        """Layer-l states [n, d] of positions ``start..`` (``start`` must equal :attr:`length`) → next-token logits
+        [V] after the last one."""
 
 
 class SelfDrafter(abc.ABC):
     """Proposes draft tokens from the target's own layer-l hidden states.
 
-    The engine feeds every position exactly once, in order: ``advance`` receives the layer-l states of all positions
-    the drafter has not seen yet (the prompt on the first call; then usually one; two when the previous round
-    accepted every draft, because the last draft's state, saved during drafting, is reused — paper phase 5).
+    The drafter owns its positions: :attr:`seen` is how many positions (0..seen-1) it has consumed. The engine feeds
+    every position exactly once, in order: :meth:`advance` receives the layer-l states of positions
+    ``seen..len(token_ids)-1`` (the prompt on the first call; then usually one; two when the previous round accepted
+    every draft, because the last draft's state, saved during drafting, is reused — paper phase 5). After a round the
+    engine calls :meth:`crop` with the accepted length when the drafter has seen rejected positions.
     """
 
     name: str = ""
@@ -97,6 +189,11 @@ class SelfDrafter(abc.ABC):
     def bind(self, backend: Backend) -> None:
         """Attach to a loaded backend (load or initialise weights that depend on the base model)."""
 
+    @property
+    @abc.abstractmethod
+    def seen(self) -> int:
+        """How many positions the drafter has consumed (0 after :meth:`reset`)."""
+
     @abc.abstractmethod
     def reset(self) -> None:
         """Forget all positions (start of a new generation)."""
@@ -107,7 +204,7 @@ class SelfDrafter(abc.ABC):
 
         Args:
             token_ids: the whole sequence so far (prompt, output and this round's drafts).
-            hidden: layer-l hidden states [n, d] of the n positions not yet seen, ending at ``token_ids[-1]``.
+            hidden: layer-l hidden states [n, d] of positions ``seen..len(token_ids)-1``.
 
         Returns:
             logits over the vocabulary for the next position, or None when the drafter has nothing to propose.
@@ -117,18 +214,35 @@ class SelfDrafter(abc.ABC):
     def crop(self, length: int) -> None:
         """Forget every position from ``length`` on (after rejected drafts)."""
 
+    #: Set True to receive :meth:`observe_deep` calls (the engine skips the slicing for drafters that ignore them).
+    wants_deep_states: bool = False
+
+    def observe_deep(self, start: int, hidden: torch.Tensor) -> None:
+        """Optional: the target's final hidden states [m, d] of newly *accepted* positions ``start..start+m-1``.
+
+        Called after the prefill (every prompt position) and after every round (x_n and the accepted drafts), with
+        states verification computed anyway — no extra pass. Positions arrive in order, each exactly once; a
+        position is only ever passed after it is accepted, so nothing here is rolled back. Default: ignored.
+        """
+
 
 class StoppingPolicy(abc.ABC):
     """The second early exit: after each draft, decide whether to draft another.
 
     The engine never drafts more than ``gamma`` tokens nor past the token budget, whatever the policy says; a policy
     only decides to stop earlier. The draft that made the policy stop is still verified.
+
+    Per-round state: reset it in :meth:`begin_round` (or :meth:`start_round` when the position matters); both are
+    called before the first draft of every round.
     """
 
     name: str = ""
 
     @classmethod
     def create(cls, config: "DecodeConfig", **options: Any) -> "StoppingPolicy":
+        """Build from the decode config and ``--policy-option KEY=VALUE`` options (values arrive as int, float or
+        bool when they parse as JSON numbers / booleans, else as str). Unknown keys raise TypeError, which the
+        engine reports in one line naming the valid options."""
         return cls(**options)
 
     def bind(self, backend: Backend) -> None:
@@ -146,15 +260,16 @@ class StoppingPolicy(abc.ABC):
         self.begin_round()
 
     def begin_round(self) -> None:
-        """Called before the first draft of each round (by the default :meth:`start_round`)."""
+        """Called before the first draft of each round (by the default :meth:`start_round`): reset per-round state."""
 
     @abc.abstractmethod
     def keep_drafting(self, step: "DraftStep") -> bool:
-        """Return True to draft another token after ``step``."""
+        """Return True to draft another token after ``step`` (``step.confidence`` is the draft's top-1 probability,
+        ``step.probs`` its whole distribution, ``step.index`` its 1-based place in the round)."""
 
 
 class Verifier(abc.ABC):
-    """Decides how many drafts the target accepts and which target token follows them."""
+    """Decides which drafts the target accepts (the accepted path) and which target token follows them."""
 
     name: str = ""
     #: True when the verifier is lossless under sampling (temperature > 0); the engine refuses the others then.
@@ -169,4 +284,55 @@ class Verifier(abc.ABC):
 
     @abc.abstractmethod
     def verify(self, drafts: Sequence["DraftStep"], target_logits: torch.Tensor) -> "Verdict":
-        """Compare k drafts with the target's logits [k+1, V] (row i predicts the token after draft i)."""
+        """Compare k drafts with the target's logits [k+1, V] (row 0 follows x_n, row i follows draft i)."""
+
+
+# -- bench methods ------------------------------------------------------------------------------------------------------
+Messages = Sequence[dict[str, str]]
+
+
+@attrs.frozen
+class MethodResult:
+    """One generation by one bench method.
+
+    Attributes:
+        token_ids: the new tokens (EOS included when generation stopped on it), at most ``max_new_tokens``.
+        seconds: wall time of the generation call (prefill included).
+        rounds: per-verification-round statistics when the method has them (our engine), else None.
+        target_passes: full-depth forward passes of the target after the prefill, when known without ``rounds``
+            (transformers methods); gives the compression rate CR = tokens after the first / passes.
+        generated_tokens: tokens the method really produced before truncation to ``max_new_tokens`` / EOS
+            (transformers' assisted generation can overshoot); None: ``len(token_ids)``.
+    """
+
+    token_ids: list[int]
+    seconds: float
+    rounds: "list[RoundResult] | None" = None
+    target_passes: int | None = None
+    generated_tokens: int | None = None
+
+
+class BenchMethod(abc.ABC):
+    """A way of generating a reply, measured by ``kangaroo bench``.
+
+    Lifecycle: ``create(config, **options)`` → ``prepare(context)`` once (a
+    :class:`kangaroo_core.bench.api.BenchContext`: build engines, check the model; raise to report the method as
+    failed) → ``run(messages, max_new_tokens)`` per question turn.
+    """
+
+    #: Registered name, e.g. ``"hf_vanilla"``.
+    name: str = ""
+    #: Where the method's column goes in tables (lower first; ties by name).
+    rank: int = 100
+
+    @classmethod
+    def create(cls, config: "DecodeConfig", **options: Any) -> "BenchMethod":
+        return cls(**options)
+
+    @abc.abstractmethod
+    def prepare(self, context: Any) -> None:
+        """Set up on the shared model (called once, before the warm-up)."""
+
+    @abc.abstractmethod
+    def run(self, messages: Messages, max_new_tokens: int) -> MethodResult:
+        """Reply to a conversation (a list of ``{"role", "content"}`` ending with a user turn)."""

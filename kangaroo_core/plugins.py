@@ -15,9 +15,8 @@ import attrs
 import pluggy
 
 from kangaroo_core import hookspecs
-from kangaroo_core.bench.api import BenchMethod
 from kangaroo_core.errors import PluginError
-from kangaroo_core.interfaces import Backend, SelfDrafter, StoppingPolicy, Verifier
+from kangaroo_core.interfaces import Backend, BenchMethod, SelfDrafter, StoppingPolicy, Verifier
 
 ENTRY_POINT_GROUP = "kangaroo"
 

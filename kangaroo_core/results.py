@@ -5,6 +5,8 @@ from __future__ import annotations
 import attrs
 import torch
 
+from kangaroo_core.metrics import compression_rate, ctar, mean_drafted
+
 
 @attrs.frozen
 class DraftStep:
@@ -39,13 +41,24 @@ class Verdict:
     """What the verifier decided for one round.
 
     Attributes:
-        accepted: how many draft tokens (a prefix) the target accepts, 0..k.
-        next_token: the target's own token after the accepted prefix (a correction, or a bonus token when all k
-            drafts were accepted).
+        path: indices (into the round's drafts, ascending) of the accepted drafts, in the order they are emitted.
+            For a chain it is always a prefix ``0..m-1`` (:meth:`chain`); a tree verifier names one root-to-node path.
+        next_token: the target's own token after the accepted path (a correction, or a bonus token when every
+            draft on the path was accepted).
     """
 
-    accepted: int
+    path: tuple[int, ...] = attrs.field(converter=tuple)
     next_token: int
+
+    @classmethod
+    def chain(cls, accepted: int, next_token: int) -> "Verdict":
+        """The first ``accepted`` drafts of a chain, then ``next_token``."""
+        return cls(tuple(range(accepted)), next_token)
+
+    @property
+    def accepted(self) -> int:
+        """How many drafts are accepted."""
+        return len(self.path)
 
 
 @attrs.frozen
@@ -64,6 +77,7 @@ class GenerationResult:
     """The outcome of one ``Engine.generate`` call.
 
     ``rounds`` are the verification passes after the prefill (the prefill's first token is not a round).
+    ``seconds`` is the engine's own time (prefill to last token), never the consumer's time between streamed pieces.
     ``mean_accepted_tokens`` is the paper's compression rate CR: tokens emitted per verification pass
     (accepted drafts + the target's own token). ``ctar[w-1]`` is CTAR(w): the share of rounds whose first w drafts
     were all accepted, for w = 1..gamma.
@@ -87,16 +101,15 @@ class GenerationResult:
 
     @property
     def mean_accepted_tokens(self) -> float:
-        return sum(r.emitted for r in self.rounds) / self.num_rounds if self.rounds else 0.0
+        return compression_rate(self.rounds) or 0.0
 
     @property
     def ctar(self) -> list[float]:
-        n = self.num_rounds
-        return [sum(r.accepted >= w for r in self.rounds) / n if n else 0.0 for w in range(1, self.gamma + 1)]
+        return ctar(self.rounds, self.gamma) if self.rounds else [0.0] * self.gamma
 
     @property
     def mean_drafted(self) -> float:
-        return sum(r.drafted for r in self.rounds) / self.num_rounds if self.rounds else 0.0
+        return mean_drafted(self.rounds) or 0.0
 
     @property
     def draft_seconds(self) -> float:

@@ -29,12 +29,18 @@ from typing import Any
 import attrs
 
 from kangaroo_core.config import DecodeConfig
+from kangaroo_core.interfaces import SelfDrafter
 
 __all__ = [
     "TinyTarget",
     "TinyTokenizer",
     "tiny_target",
+    "tiny_llama",
+    "tiny_backend",
+    "set_eos",
     "hf_greedy",
+    "ScriptedDrafter",
+    "error_positions",
     "make_draft_step",
     "check_drafter_contract",
     "check_policy_contract",
@@ -53,22 +59,29 @@ DEFAULT_PROMPTS: tuple[tuple[int, ...], ...] = (
 
 
 class TinyTokenizer:
-    """Just enough tokenizer for the engine: token ``i`` is the word ``t<i>``."""
+    """Token ``i`` is the word ``t<i>``; the EOS token is skipped by ``decode(skip_special_tokens=True)``."""
 
     chat_template = None
 
-    def __init__(self, vocab_size: int, eos_token_id: int | None = None):
+    def __init__(self, vocab_size: int, eos_token_id: int | Sequence[int] | None = None):
         self.vocab_size = vocab_size
-        self.eos_token_id = eos_token_id
+        self.special_ids = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+        # a real tokenizer has one EOS token; the model's generation config may list several
+        self.eos_token_id = eos_token_id if not isinstance(eos_token_id, (list, tuple)) else eos_token_id[0]
 
     def encode(self, text: str, **_: object) -> list[int]:
-        return [int(w[1:]) % self.vocab_size if w[1:].isdigit() else sum(map(ord, w)) % self.vocab_size
-                for w in text.split()]
+        ids = []
+        for word in text.split():
+            if word.startswith("t") and word[1:].isdigit() and int(word[1:]) < self.vocab_size:
+                ids.append(int(word[1:]))
+            else:  # any other word: a stable id from its characters
+                ids.append(sum(map(ord, word)) % self.vocab_size)
+        return ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False, **_: object) -> str:
         ids = [int(i) for i in ids]
-        if skip_special_tokens and self.eos_token_id is not None:
-            ids = [i for i in ids if i != self.eos_token_id]
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self.special_ids]
         return " ".join(f"t{i}" for i in ids)
 
 
@@ -100,27 +113,90 @@ class TinyTarget:
         return DecodeConfig(exit_layer=self.exit_layer, **changes)
 
 
-def tiny_target(seed: int = 0, *, vocab: int = 64, hidden: int = 32, layers: int = 3, exit_layer: int = 1,
-                init_std: float = 0.02, eos_token_id: int | None = None) -> TinyTarget:
-    """Build a tiny random Llama target. float64, so the split model and transformers agree to ~1e-12.
+def tiny_llama(
+    seed: int,
+    vocab: int = 64,
+    hidden: int = 32,
+    layers: int = 3,
+    heads: int = 4,
+    kv_heads: int = 2,
+    dtype: Any = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    tie_word_embeddings: bool | None = None,
+    init_std: float = 0.2,
+    random_norms: bool = True,
+) -> Any:
+    """A random ``transformers.LlamaForCausalLM`` (float64 by default, so the split model and transformers' own
+    forward agree to ~1e-12 and greedy argmaxes never flip on rounding).
 
-    With transformers' default ``init_std=0.02`` the greedy output of a random model soon repeats itself, which is
-    the case where a lookup drafter should get drafts accepted; a larger ``init_std`` gives less regular output.
+    ``tie_word_embeddings=None`` picks tied or untied from the seed. ``init_std`` is larger than transformers'
+    default (0.02) so the random model's greedy output is not one token repeated forever; ``random_norms`` draws the
+    norm weights too, so the final norm and the adapter's norms are not all ones.
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    dtype = torch.float64 if dtype is None else dtype
+    if hidden % heads or heads % kv_heads:
+        raise ValueError(f"invalid head geometry: hidden={hidden}, heads={heads}, kv_heads={kv_heads}")
+    rng = random.Random(seed)
+    if tie_word_embeddings is None:
+        tie_word_embeddings = rng.random() < 0.5
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, initializer_range=init_std,
-        tie_word_embeddings=False, bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=None,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+        initializer_range=init_std,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=None,
+        eos_token_id=eos_token_id,
+        pad_token_id=None,
         attn_implementation="sdpa",
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float64).eval()
+    model = LlamaForCausalLM(config).to(dtype).eval()
+    if random_norms:
+        with torch.no_grad():
+            for module in model.modules():
+                if hasattr(module, "variance_epsilon"):
+                    module.weight.uniform_(0.5, 1.5)
+    set_eos(model, eos_token_id)
+    return model
+
+
+def set_eos(model: Any, eos_token_id: int | Sequence[int] | None) -> None:
+    """Make ``eos_token_id`` (one id, several, or nothing) the model's end of sequence, for transformers and for TorchBackend."""
+    model.config.eos_token_id = eos_token_id
     model.generation_config.eos_token_id = eos_token_id
     model.generation_config.bos_token_id = None
     model.generation_config.pad_token_id = None
+
+
+def tiny_backend(model: Any = None, exit_layer: int = 1, seed: int = 0, **llama_options) -> Any:
+    """A TorchBackend over ``model`` (or a fresh :func:`tiny_llama`); its EOS is the model's generation-config EOS."""
+    from kangaroo_backends.torch_eager import TorchBackend
+
+    if model is None:
+        model = tiny_llama(seed, **llama_options)
+    eos = model.generation_config.eos_token_id
+    return TorchBackend(model, TinyTokenizer(model.config.vocab_size, eos), exit_layer, model_name=f"tiny-{seed}")
+
+
+def tiny_target(seed: int = 0, *, vocab: int = 64, hidden: int = 32, layers: int = 3, exit_layer: int = 1,
+                init_std: float = 0.02, eos_token_id: int | None = None) -> TinyTarget:
+    """Build a tiny random Llama target (:func:`tiny_llama`, untied, unit norms). float64, so the split model and
+    transformers agree to ~1e-12.
+
+    With transformers' default ``init_std=0.02`` the greedy output of a random model soon repeats itself, which is
+    the case where a lookup drafter should get drafts accepted; a larger ``init_std`` gives less regular output.
+    """
+    model = tiny_llama(seed, vocab=vocab, hidden=hidden, layers=layers, eos_token_id=eos_token_id,
+                       tie_word_embeddings=False, init_std=init_std, random_norms=False)
     return TinyTarget(model, exit_layer)
 
 
@@ -147,6 +223,106 @@ def make_draft_step(probs: Sequence[float] | Any, index: int = 1):
     return DraftStep(index=index, token=int(token), probs=p, confidence=float(confidence))
 
 
+# -- the scripted drafter ---------------------------------------------------------------------------------------------
+class ScriptedDrafter(SelfDrafter):
+    """Proposes the next token of a known ``reference`` sequence (prompt + continuation), wrong on purpose at some positions.
+
+    Args:
+        reference: prompt + the continuation to propose (typically the target's greedy output).
+        vocab_size: size of the logits vector.
+        wrong_at: absolute positions (index into ``reference``) where the proposal is deliberately wrong.
+        confidence: the top-1 probability of each proposal: a number in (1/V, 1) or ``f(position) -> number``.
+        none_at: positions where :meth:`advance` returns None (nothing to propose).
+        strict: assert the engine feeds every position exactly once, in order, ending at ``token_ids[-1]``.
+
+    When the sequence so far is not a prefix of ``reference`` (or runs past it), a fallback token is proposed.
+    ``hidden`` keeps the layer-l state of every seen position (rolled back by :meth:`crop`).
+    """
+
+    name = "scripted"
+
+    def __init__(
+        self,
+        reference: Sequence[int],
+        vocab_size: int,
+        wrong_at: Iterable[int] = (),
+        confidence: float | Callable[[int], float] = 0.9,
+        none_at: Iterable[int] = (),
+        strict: bool = True,
+    ):
+        self.reference = [int(t) for t in reference]
+        self.vocab_size = vocab_size
+        self.wrong_at = set(wrong_at)
+        self.confidence = confidence
+        self.none_at = set(none_at)
+        self.strict = strict
+        self.hidden: list = []
+        self.calls: list[tuple[int, int]] = []  # (len(token_ids), states given) per advance
+        self.proposed: list[tuple[int, int]] = []  # (position, token) per proposal
+        self.backend: Any = None
+
+    @property
+    def seen(self) -> int:
+        return len(self.hidden)
+
+    def bind(self, backend: Any) -> None:
+        self.backend = backend
+        if backend.vocab_size != self.vocab_size:
+            raise ValueError(f"vocab {self.vocab_size} != backend vocab {backend.vocab_size}")
+
+    def reset(self) -> None:
+        self.hidden = []
+        self.calls = []
+        self.proposed = []
+
+    def crop(self, length: int) -> None:
+        del self.hidden[length:]
+
+    def expected(self, token_ids: Sequence[int]) -> int:
+        """The token this drafter proposes after ``token_ids`` (before the deliberate errors)."""
+        pos = len(token_ids)
+        if pos < len(self.reference) and list(token_ids) == self.reference[:pos]:
+            return self.reference[pos]
+        return (7 * pos + 3 + sum(token_ids[-2:])) % self.vocab_size  # fallback: off the script
+
+    def token_at(self, token_ids: Sequence[int]) -> int:
+        token = self.expected(token_ids)
+        if len(token_ids) in self.wrong_at:
+            token = (token + 1 + len(token_ids) % (self.vocab_size - 1)) % self.vocab_size
+        return token
+
+    def logits_for(self, token: int, position: int) -> Any:
+        import torch
+
+        c = self.confidence(position) if callable(self.confidence) else self.confidence
+        c = float(min(max(c, 1.5 / self.vocab_size), 1 - 1e-6))  # top-1 must stay the argmax
+        logits = torch.full((self.vocab_size,), torch.log(torch.tensor((1 - c) / (self.vocab_size - 1))).item(),
+                            dtype=torch.float64)
+        logits[token] = torch.log(torch.tensor(c, dtype=torch.float64))
+        return logits
+
+    def advance(self, token_ids: Sequence[int], hidden: Any) -> Any:
+        n = hidden.shape[0]
+        if self.strict:
+            assert n >= 1, "advance() got no unseen state"
+            assert self.seen + n == len(token_ids), (
+                f"drafter had seen {self.seen} positions, got {n} more, but the sequence has {len(token_ids)} tokens"
+            )
+        self.calls.append((len(token_ids), n))
+        self.hidden.extend(h.detach().clone() for h in hidden)
+        pos = len(token_ids)
+        if pos in self.none_at:
+            return None
+        token = self.token_at(token_ids)
+        self.proposed.append((pos, token))
+        return self.logits_for(token, pos)
+
+
+def error_positions(rng: random.Random, start: int, end: int, rate: float) -> set[int]:
+    """Each absolute position in [start, end) independently with probability ``rate``."""
+    return {p for p in range(start, end) if rng.random() < rate}
+
+
 # -- building the piece under test ------------------------------------------------------------------------------------
 def _build(kind: str, piece: Any, config: DecodeConfig, options: dict | None):
     """A class (built with ``create(config, **options)``), a registered name, a zero-argument factory, or an instance."""
@@ -166,6 +342,7 @@ def check_drafter_contract(drafter: Any, *, target: TinyTarget | None = None, op
     """Check the :class:`~kangaroo_core.interfaces.SelfDrafter` contract outside the engine.
 
     * it is a ``SelfDrafter`` and ``bind(backend)`` accepts a loaded backend;
+    * ``seen`` is 0 after ``reset()``, counts the positions advanced over, and follows ``crop``;
     * ``advance(token_ids, hidden)`` returns None or a floating-point tensor of shape ``[V]`` with no NaN, for the
       prompt and then one position at a time;
     * ``crop(length)`` then ``advance`` from the cropped position gives the same answer as the first time
@@ -184,7 +361,7 @@ def check_drafter_contract(drafter: Any, *, target: TinyTarget | None = None, op
     V = backend.vocab_size
     tokens = list(DEFAULT_PROMPTS[0]) + [5, 9, 14, 2, 7]
     backend.reset()
-    hidden = backend.shallow(tokens)
+    hidden = backend.shallow(tokens, 0)
 
     def check(out, where):
         if out is None:
@@ -209,10 +386,13 @@ def check_drafter_contract(drafter: Any, *, target: TinyTarget | None = None, op
 
     start = len(DEFAULT_PROMPTS[0])
     drafter.reset()
+    assert drafter.seen == 0, f"seen must be 0 after reset(), got {drafter.seen}"
     first = run(start)
+    assert drafter.seen == len(tokens), f"seen must count the positions advanced over ({len(tokens)}), got {drafter.seen}"
     # crop back to start + 2 and replay the last positions
     cut = start + 2
     drafter.crop(cut)
+    assert drafter.seen == cut, f"seen must be {cut} after crop({cut}), got {drafter.seen}"
     for i in range(cut + 1, len(tokens) + 1):
         same(check(drafter.advance(tokens[:i], hidden[i - 1:i]), f"at position {i} after crop({cut})"),
              first[i - start], f"crop({cut}) then advance at position {i}")
@@ -268,14 +448,15 @@ def check_lossless(
     (prompt, gamma) run, e.g. to assert on ``mean_accepted_tokens``.
     """
     from kangaroo_core.engine import Engine
-    from kangaroo_plugins.greedy_verifier import GreedyVerifier
+    from kangaroo_core.plugins import get_registry
 
     target = target or tiny_target()
     results = []
     for gamma in gammas:
         config = target.config(gamma=gamma, max_new_tokens=max_new_tokens)
         engine = Engine(target.backend(), _build("drafter", drafter, config, drafter_options),
-                        _build("policy", policy, config, policy_options), GreedyVerifier(), config)
+                        _build("policy", policy, config, policy_options),
+                        get_registry().resolve("verifier", "greedy")(), config)
         for prompt in prompts:
             reference = hf_greedy(target.model, prompt, max_new_tokens)
             result = engine.generate_ids(list(prompt), max_new_tokens=max_new_tokens)

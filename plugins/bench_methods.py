@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from kangaroo_core.bench.api import BenchContext, BenchMethod, Messages, MethodResult, trim
+from kangaroo_core.bench.api import RUN_DEFAULT, BenchContext, BenchMethod, Messages, MethodResult, trim
 from kangaroo_core.errors import KangarooError
 from kangaroo_core.hookspecs import hookimpl
 
@@ -30,6 +30,7 @@ class HFGenerate(BenchMethod):
     """transformers ``model.generate`` on the shared model; subclasses add generate kwargs."""
 
     name = "hf_vanilla"
+    rank = 0
 
     def generate_kwargs(self, context: BenchContext) -> dict[str, Any]:
         return {}
@@ -86,6 +87,7 @@ class HFPromptLookup(HFGenerate):
     """transformers prompt-lookup decoding: drafts are n-gram matches copied from the prompt."""
 
     name = "hf_prompt_lookup"
+    rank = 1
 
     def __init__(self, prompt_lookup_num_tokens: int = 10):
         self.num_tokens = prompt_lookup_num_tokens
@@ -98,6 +100,7 @@ class HFEarlyExit(HFGenerate):
     """transformers self-speculation with an early exit at layer l (LayerSkip): drafts from M[:l] + final norm + head."""
 
     name = "hf_early_exit"
+    rank = 2
 
     def __init__(self, exit_layer: int | None = None):
         self.exit_layer = exit_layer
@@ -107,10 +110,7 @@ class HFEarlyExit(HFGenerate):
 
 
 class EngineMethod(BenchMethod):
-    """Our engine on the shared backend; ``vanilla`` has no drafter."""
-
-    name = "vanilla"
-    drafter: Any = None
+    """Our engine on the shared backend: the target alone unless a subclass builds the engine otherwise."""
 
     def make_engine(self, context: BenchContext):
         return context.engine(drafter=None)
@@ -130,6 +130,7 @@ class KangarooMethod(EngineMethod):
     ``policy`` and ``policy_options`` (a dict; None: the run's ``--policy-option`` values)."""
 
     name = "kangaroo"
+    rank = 4
 
     def __init__(self, eta: float | None = None, gamma: int | None = None, adapter: str | None = None,
                  exit_layer: int | None = None, policy: str | None = None, policy_options: dict | None = None):
@@ -142,8 +143,8 @@ class KangarooMethod(EngineMethod):
         return context.config.replace(**changes)
 
     @property
-    def adapter_or_default(self) -> str | None:
-        return self.adapter if self.adapter is not None else "default"
+    def adapter_or_default(self) -> Any:
+        return self.adapter if self.adapter is not None else RUN_DEFAULT
 
     def make_engine(self, context: BenchContext):
         return context.engine(config=self.config_for(context), adapter=self.adapter_or_default, policy=self.policy,
@@ -151,12 +152,10 @@ class KangarooMethod(EngineMethod):
 
 
 class VanillaMethod(EngineMethod):
+    """Our engine with no drafter: one token per pass (the engine's own baseline)."""
+
     name = "vanilla"
-
-
-#: The built-ins in the order the harness lists them.
-BUILTIN_ORDER = ("hf_vanilla", "hf_prompt_lookup", "hf_early_exit", "vanilla", "kangaroo", "ort_vanilla",
-                 "vanilla_onnx", "kangaroo_onnx")
+    rank = 3
 
 
 @hookimpl

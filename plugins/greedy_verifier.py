@@ -29,7 +29,7 @@ class GreedyVerifier(Verifier):
     def verify(self, drafts: Sequence[DraftStep], target_logits: torch.Tensor) -> Verdict:
         target_tokens = target_logits.argmax(dim=-1).tolist()  # [k+1]
         accepted = accept_length([d.token for d in drafts], target_tokens)
-        return Verdict(accepted=accepted, next_token=target_tokens[accepted])
+        return Verdict.chain(accepted, target_tokens[accepted])
 
 
 @hookimpl

@@ -80,6 +80,7 @@ class ORTVanilla(HFGenerate):
     """optimum ``ORTModelForCausalLM.generate`` (CPUExecutionProvider; CUDA with onnxruntime-gpu and a GPU)."""
 
     name = "ort_vanilla"
+    rank = 5
 
     def __init__(self, provider: str = "auto"):
         self.provider = provider
@@ -110,7 +111,7 @@ class _OnnxEngine:
         from kangaroo_backends.onnx_backend import OnnxBackend
 
         base = context.backend
-        if getattr(base, "name", None) == "onnx":
+        if base.runtime == "onnxruntime":
             return base
         if context.model is None:
             raise KangarooError(f"{self.name} needs a backend holding the transformers model to export")
@@ -122,6 +123,7 @@ class VanillaOnnx(_OnnxEngine, EngineMethod):
     """Our engine on onnxruntime, no drafter: one token per pass."""
 
     name = "vanilla_onnx"
+    rank = 6
 
     def __init__(self, provider: str = "auto"):
         self.provider = provider
@@ -134,6 +136,7 @@ class KangarooOnnx(_OnnxEngine, KangarooMethod):
     """Our engine on onnxruntime with drafting (the adapter exported into the same bundle)."""
 
     name = "kangaroo_onnx"
+    rank = 7
 
     def __init__(self, provider: str = "auto", **options: Any):
         super().__init__(**options)
@@ -144,7 +147,7 @@ class KangarooOnnx(_OnnxEngine, KangarooMethod):
         if config.exit_layer != context.backend.exit_layer:
             raise KangarooError("kangaroo_onnx runs at the bench's --exit-layer only")
         return context.engine(config=config, backend=self.onnx_backend(context), adapter=self.adapter_or_default,
-                              policy_options=self.policy_options)
+                              policy=self.policy, policy_options=self.policy_options)
 
 
 @hookimpl

@@ -95,8 +95,8 @@ class SpeculativeVerifier(Verifier):
             if uniform(self.generator) < float(acceptance_probability(p[i, x], q_x)):
                 continue
             residual = residual_distribution(p[i], proposal_of(step, vocab_size))  # [V]
-            return Verdict(accepted=i, next_token=draw(residual, self.generator))
-        return Verdict(accepted=len(drafts), next_token=draw(p[len(drafts)], self.generator))
+            return Verdict.chain(i, draw(residual, self.generator))
+        return Verdict.chain(len(drafts), draw(p[len(drafts)], self.generator))
 
 
 @hookimpl

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
-# Keep test runs off the user's real cache and make threads predictable on the 2-core CI machine.
+# Make threads predictable on the 2-core CI machine.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+# Keep test runs off the user's real cache: everything kangaroo caches (converted GGUF models, ONNX exports) goes to
+# a directory of this run. KANGAROO_TEST_CACHE_DIR names a directory to reuse between runs instead (it is never the
+# user's ~/.cache/kangaroo unless they say so).
+USER_CACHE = Path(os.environ.get("KANGAROO_CACHE_DIR") or Path.home() / ".cache" / "kangaroo")
+os.environ["KANGAROO_CACHE_DIR"] = os.environ.get("KANGAROO_TEST_CACHE_DIR") or tempfile.mkdtemp(prefix="kangaroo-test-cache-")
 
 WORDS = (
     "the a an sky sea is blue green red why how what because light sun water cold warm day night cat dog runs "

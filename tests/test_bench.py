@@ -147,7 +147,7 @@ def test_second_turn_follows_the_reference_answer(smoke):
 def test_sweeps_and_adapter_comparison_write_json_and_png(tiny_model_dir, tmp_path, one_torch_thread):
     from kangaroo_backends.loading import load_model
     from kangaroo_backends.torch_eager import model_fingerprint
-    from kangaroo_plugins.adapter import KangarooAdapter
+    from kangaroo_plugins.kangaroo.adapter import KangarooAdapter
 
     model, _, _ = load_model(str(tiny_model_dir))
     dirs = []
@@ -176,7 +176,9 @@ def test_onnx_methods_export_once_into_the_cache(smoke):
     out, results = smoke
     cache = out.parent / "cache"
     assert (next((cache / "ort").iterdir()) / "model.onnx").is_file()  # optimum's export for ort_vanilla
-    assert any((d / "manifest.json").is_file() for d in (cache / "onnx").iterdir())  # our split graphs
+    exports = [d for d in (cache / "onnx" / "v2").iterdir() if (d / "manifest.json").is_file()]  # our split graphs
+    assert len(exports) == 1
+    assert list((exports[0] / "drafters" / "kangaroo").glob("*/adapter.onnx"))  # the drafter's graph beside them
     assert results["methods"]["ort_vanilla"]["overall"]["mean_accepted_tokens"] is None  # no layers to count
     assert results["methods"]["kangaroo_onnx"]["overall"]["mean_accepted_tokens"] == pytest.approx(
         results["methods"]["kangaroo"]["overall"]["mean_accepted_tokens"])  # same drafts, same rounds
@@ -206,9 +208,9 @@ def test_policy_columns_and_baseline(tiny_model_dir, tmp_path, one_torch_thread,
     assert all(results["methods"][label]["overall"]["identical_to_vanilla"] for label in labels)
     assert results["run"]["config"]["policy_options"] == {"eta": 0.3}
     assert "Speedup vs `vanilla`" in (out / "results.md").read_text()
-    assert main(["bench", "--questions", str(questions), "--model", str(tiny_model_dir), "--baseline", "nope"]) == 1
+    assert main(["bench", "--questions", str(questions), "--model", str(tiny_model_dir), "--baseline", "nope"]) == 2
     assert "--baseline 'nope' is not one of the measured methods" in capsys.readouterr().err
-    assert main(["bench", "--questions", str(questions), "--model", str(tiny_model_dir), "--policies", "psychic"]) == 1
+    assert main(["bench", "--questions", str(questions), "--model", str(tiny_model_dir), "--policies", "psychic"]) == 2
     assert "--policies: unknown policy 'psychic'" in capsys.readouterr().err
 
 
@@ -233,7 +235,7 @@ def test_missing_questions_file_and_unknown_method(tmp_path, capsys):
     assert main(["bench", "--questions", str(tmp_path / "nope.jsonl")]) == 1
     assert "questions file not found" in capsys.readouterr().err
     path = write_questions(tmp_path / "q.jsonl", QUESTIONS)
-    assert main(["bench", "--questions", str(path), "--methods", "kangaroo,warp_drive"]) == 1
+    assert main(["bench", "--questions", str(path), "--methods", "kangaroo,warp_drive"]) == 2
     err = capsys.readouterr().err.strip()
     assert "unknown bench method(s) warp_drive; known bench methods: " + ", ".join(BUILTIN) in err
 

@@ -11,7 +11,7 @@ from kangaroo_core.cli import main
 from kangaroo_core.config import DecodeConfig
 from kangaroo_core.engine import Engine
 from kangaroo_core.errors import AdapterMismatchError, PromptError
-from kangaroo_plugins.adapter import KangarooAdapter
+from kangaroo_plugins.kangaroo.adapter import KangarooAdapter
 
 PROMPT = "tell me a story about the sea"
 
@@ -189,7 +189,7 @@ def test_console_script_prints_no_traceback():
 
 
 def test_shipped_adapter_is_the_default_for_its_base_model(tmp_path, engine, tiny_model_dir, monkeypatch):
-    from kangaroo_plugins import kangaroo_drafter
+    from kangaroo_plugins.kangaroo import drafter as kangaroo_drafter
 
     shipped = tmp_path / "shipped"
     adapter = KangarooAdapter.from_base_layer(engine.backend.model, 2)

@@ -37,3 +37,11 @@ def test_config_is_frozen_and_evolvable():
 def test_threshold_policy_validates_eta():
     with pytest.raises(ConfigError, match="^eta must be in"):
         ThresholdPolicy(eta=1.2)
+
+
+def test_the_test_suite_never_writes_into_the_users_cache():
+    from conftest import USER_CACHE
+
+    from kangaroo_backends.loading import cache_dir
+
+    assert cache_dir().resolve() != USER_CACHE.resolve()

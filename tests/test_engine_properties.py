@@ -22,13 +22,10 @@ from kangaroo_core.config import DecodeConfig
 from kangaroo_core.engine import Engine
 from kangaroo_core.results import GenerationResult
 from kangaroo_plugins.greedy_verifier import GreedyVerifier
-from kangaroo_plugins.kangaroo_drafter import KangarooDrafter
+from kangaroo_plugins.kangaroo.drafter import KangarooDrafter
 from kangaroo_policies.threshold import ThresholdPolicy
 
-try:
-    from tiny import ScriptedDrafter, error_positions, hf_greedy, set_eos, tiny_backend, tiny_llama
-except ImportError:  # tests/ is a package
-    from tests.tiny import ScriptedDrafter, error_positions, hf_greedy, set_eos, tiny_backend, tiny_llama
+from kangaroo_core.testing import ScriptedDrafter, error_positions, hf_greedy, set_eos, tiny_backend, tiny_llama
 
 ATOL = 1e-10
 
@@ -121,8 +118,8 @@ def check_caches(engine: Engine, full_reference: Sequence[int], fresh, cached: i
     assert backend.cache_lengths() == (cached, cached)
     assert backend.cache.lengths == [cached] * backend.num_layers
     fresh.reset()
-    h = fresh.shallow(list(full_reference[:cached]))
-    fresh.deep(h)
+    h = fresh.shallow(list(full_reference[:cached]), 0)
+    fresh.deep(h, 0)
     for i in range(backend.num_layers):
         (k, v), (k_ref, v_ref) = backend.cache.layer(i), fresh.cache.layer(i)
         assert_close(k, k_ref, f"layer {i} keys")
@@ -134,11 +131,11 @@ def check_caches(engine: Engine, full_reference: Sequence[int], fresh, cached: i
     seen = drafter.seen
     assert 0 <= seen <= cached
     if isinstance(drafter, KangarooDrafter):
-        assert drafter.cache.lengths == [seen]
+        assert drafter.runner.cache.lengths == [seen]
         if seen:
             cache = drafter.adapter.new_cache()
             drafter.adapter(h[:seen][None], 0, cache)
-            (k, v), (k_ref, v_ref) = drafter.cache.layer(0), cache.layer(0)
+            (k, v), (k_ref, v_ref) = drafter.runner.cache.layer(0), cache.layer(0)
             assert_close(k, k_ref, "adapter keys")
             assert_close(v, v_ref, "adapter values")
     elif isinstance(drafter, ScriptedDrafter):
@@ -505,7 +502,7 @@ def test_cache_check_detects_a_corrupted_cache():
     with pytest.raises(AssertionError, match="layer 3 keys"):
         check_caches(engine, prompt + ref, fresh, cached)
     backend.cache.keys[3][0, 0, cached - 2, 0] -= 1e-6
-    drafter.cache.values[0][0, 0, 1, 0] += 1e-6
+    drafter.runner.cache.values[0][0, 0, 1, 0] += 1e-6
     with pytest.raises(AssertionError, match="adapter values"):
         check_caches(engine, prompt + ref, fresh, cached)
 

@@ -25,7 +25,7 @@ def test_hook_register_backends():
 
 
 def test_hook_register_drafters():
-    from kangaroo_plugins.kangaroo_drafter import KangarooDrafter
+    from kangaroo_plugins.kangaroo.drafter import KangarooDrafter
 
     cls = type("MyDrafter", (KangarooDrafter,), {})
     assert registered("register_drafters", "my-drafter", cls, "drafter") is cls

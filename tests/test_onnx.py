@@ -18,11 +18,11 @@ from kangaroo_core.config import DecodeConfig
 from kangaroo_core.engine import Engine
 from kangaroo_core.errors import (AdapterMismatchError, MissingDependencyError, OnnxExportError, OnnxModelError,
                                   ProviderError)
-from kangaroo_plugins.adapter import KangarooAdapter
+from kangaroo_plugins.kangaroo.adapter import KangarooAdapter
 from kangaroo_plugins.greedy_verifier import GreedyVerifier
-from kangaroo_plugins.kangaroo_drafter import KangarooDrafter
+from kangaroo_plugins.kangaroo.drafter import KangarooDrafter
 from kangaroo_policies.threshold import ThresholdPolicy
-from tiny import TinyTokenizer, hf_greedy, tiny_backend, tiny_llama
+from kangaroo_core.testing import TinyTokenizer, hf_greedy, tiny_backend, tiny_llama
 
 HAS_ORT = importlib.util.find_spec("onnxruntime") is not None and importlib.util.find_spec("onnx") is not None
 needs_ort = pytest.mark.skipif(not HAS_ORT, reason="onnxruntime/onnx not installed (pip install '.[onnx]')")
@@ -73,15 +73,17 @@ def test_export_writes_a_validated_manifest(bundles):
 
     directory = bundles(1, 1)
     manifest = json.loads((directory / "manifest.json").read_text())
-    assert sorted(p.name for p in directory.iterdir()) == ["adapter.onnx", "deep.onnx", "manifest.json", "shallow.onnx"]
+    graphs = sorted(p.name for p in directory.iterdir() if p.suffix in (".onnx", ".json"))
+    assert graphs == ["deep.onnx", "head.onnx", "manifest.json", "shallow.onnx"]  # the drafter's graph is not ours
     assert manifest["base_model_fingerprint"] == model_fingerprint(model(1))
-    assert (manifest["exit_layer"], manifest["num_layers"], manifest["opset"], manifest["adapter"]) == (1, 3, 17, "untrained")
+    assert (manifest["exit_layer"], manifest["num_layers"], manifest["opset"], manifest["format_version"]) == (1, 3, 17, 2)
     assert {"torch", "onnx", "onnxruntime", "kangaroo-decoding"} <= set(manifest["versions"])
     shallow = manifest["graphs"]["shallow"]
     assert list(shallow["inputs"]) == ["input_ids", "position_ids", "past_key.0", "past_value.0"]
     assert shallow["inputs"]["past_key.0"] == [1, "past", 2, 8]
-    assert list(manifest["graphs"]["deep"]["outputs"]) == ["logits", "new_key.0", "new_value.0", "new_key.1", "new_value.1"]
-    assert list(manifest["graphs"]["adapter"]["outputs"]) == ["last_logits", "adapter_hidden", "new_key.0", "new_value.0"]
+    assert list(manifest["graphs"]["deep"]["outputs"]) == ["final_hidden", "new_key.0", "new_value.0", "new_key.1", "new_value.1"]
+    assert manifest["graphs"]["head"]["inputs"] == {"final_hidden": [1, "n", 32]}
+    assert manifest["graphs"]["head"]["outputs"] == {"logits": [1, "n", 64]}
     for name, graph in manifest["graphs"].items():  # graph-by-graph validation against eager PyTorch
         check = graph["validation"]
         assert 0 <= check["max_abs_diff"] < 1e-4, (name, check)
@@ -89,14 +91,22 @@ def test_export_writes_a_validated_manifest(bundles):
 
 
 @needs_ort
-def test_exported_adapter_alone_gives_the_drafter_logits(bundles):
+def test_exported_adapter_alone_gives_the_drafter_logits(tmp_path):
     """adapter.onnx is usable without the rest: layer-l states + its own KV → the drafter's next-token logits."""
     import onnxruntime as ort
 
+    from kangaroo_plugins.kangaroo.onnx_graph import export_adapter_graph, read_adapter_manifest
+
     m, exit_layer = model(1), 1
-    session = ort.InferenceSession(str(bundles(1, exit_layer) / "adapter.onnx"), providers=["CPUExecutionProvider"])
-    hidden = torch.randn(6, m.config.hidden_size)
     adapter = KangarooAdapter.from_base_layer(m, exit_layer)
+    export_adapter_graph(adapter, m.lm_head, tmp_path / "g", fingerprint="f", exit_layer=exit_layer, key="untrained",
+                         quiet=True)
+    manifest = read_adapter_manifest(tmp_path / "g", fingerprint="f", exit_layer=exit_layer, key="untrained")
+    assert manifest["validation"]["max_abs_diff"] <= manifest["validation"]["tolerance"]
+    with pytest.raises(OnnxModelError, match="adapter 'untrained', expected 'other'"):
+        read_adapter_manifest(tmp_path / "g", fingerprint="f", exit_layer=exit_layer, key="other")
+    session = ort.InferenceSession(str(tmp_path / "g" / "adapter.onnx"), providers=["CPUExecutionProvider"])
+    hidden = torch.randn(6, m.config.hidden_size)
     with torch.inference_mode():
         expected = m.lm_head(adapter(hidden[None], 0)[0, -1])
     past = torch.zeros(1, 0, 2, 8).numpy()
@@ -163,17 +173,18 @@ def test_trained_adapter_is_exported_with_the_backend_and_drafts_the_same(tmp_pa
         mp.setattr(ob, "cache_dir", lambda: tmp_path / "cache")
         onnx = kangaroo_engine(backend, exit_layer, 0.0, 4, KangarooDrafter(adapter=path))
         eager = kangaroo_engine(tiny_backend(m, exit_layer=exit_layer), exit_layer, 0.0, 4, KangarooDrafter(adapter=path))
+        import kangaroo_plugins.kangaroo.runners as runners
+
         calls = []
-        real_key = ob.adapter_key
-        mp.setattr(ob, "adapter_key", lambda path: calls.append(path) or real_key(path))
-        onnx.generate_ids([3, 4, 5], 2)
-        short = len(calls)
+        real_key = runners.adapter_key
+        mp.setattr(runners, "adapter_key", lambda path: calls.append(path) or real_key(path))
         got, want = onnx.generate_ids([3, 4, 5], 24), eager.generate_ids([3, 4, 5], 24)
-        assert len(calls) == 2 * short  # the export is checked per generation, never per token
+        assert calls == []  # the adapter is hashed once, when the drafter binds: never per generation or token
     assert got.token_ids == want.token_ids
     assert [(r.drafted, r.accepted) for r in got.rounds] == [(r.drafted, r.accepted) for r in want.rounds]
-    (export,) = (tmp_path / "cache" / "onnx").iterdir()
-    assert export.name.endswith(json.loads((export / "manifest.json").read_text())["adapter"])
+    (export,) = (tmp_path / "cache" / "onnx" / "v2").iterdir()
+    (graph,) = (export / "drafters" / "kangaroo").iterdir()  # the drafter's graph lives inside the backend's export
+    assert graph.name == f"l1-{real_key(path)}" and (graph / "adapter.onnx").is_file()
     with pytest.raises(AdapterMismatchError):
         KangarooDrafter(adapter=path).bind(onnx_backend(1, 2, None))
 
@@ -200,15 +211,29 @@ def test_missing_corrupt_and_wrong_opset_files_are_one_clear_error(bundles, tmp_
     with pytest.raises(OnnxModelError, match=r"deep.onnx is missing"):
         onnx_backend(1, 1, broken).reset()
     shutil.copy(bundles(1, 1) / "deep.onnx", broken / "deep.onnx")
-    graph = onnx.load(str(broken / "adapter.onnx"))
+    graph = onnx.load(str(broken / "head.onnx"))
     for entry in graph.opset_import:
         if entry.domain in ("", "ai.onnx"):
             entry.version = 99
-    onnx.save(graph, str(broken / "adapter.onnx"))
+    onnx.save(graph, str(broken / "head.onnx"))
     with pytest.raises(OnnxModelError, match="uses ONNX opset 99, which onnxruntime .* cannot run"):
         onnx_backend(1, 1, broken).reset()
+    shutil.copy(bundles(1, 1) / "head.onnx", broken / "head.onnx")
+    manifest = json.loads((broken / "manifest.json").read_text())
+    for damage, message in [(lambda m: m.pop("graphs"), "'graphs' is missing"),
+                            (lambda m: m.update(exit_layer="1"), "'exit_layer' is missing or not a int"),
+                            (lambda m: m["graphs"]["deep"].update(file="../../etc/passwd"), "outside"),
+                            (lambda m: m["graphs"].pop("head"), "lists no head graph")]:
+        bad = json.loads(json.dumps(manifest))
+        damage(bad)
+        (broken / "manifest.json").write_text(json.dumps(bad))
+        with pytest.raises(OnnxModelError, match=message):
+            onnx_backend(1, 1, broken).reset()
+    (broken / "manifest.json").write_bytes(b'{"format": "\xff\xfe"}')
+    with pytest.raises(OnnxModelError, match="not valid UTF-8 JSON"):
+        onnx_backend(1, 1, broken).reset()
     (broken / "manifest.json").write_text("{not json")
-    with pytest.raises(OnnxModelError, match="not valid JSON"):
+    with pytest.raises(OnnxModelError, match="not valid UTF-8 JSON"):
         onnx_backend(1, 1, broken).reset()
     with pytest.raises(OnnxModelError, match="not a kangaroo ONNX export"):
         onnx_backend(1, 1, tmp_path / "nowhere").reset()
@@ -230,10 +255,10 @@ def test_failed_first_use_export_leaves_no_cache(tmp_path, monkeypatch, one_torc
     import kangaroo_backends.onnx_export as oe
 
     monkeypatch.setattr(ob, "cache_dir", lambda: tmp_path)
-    monkeypatch.setattr(oe, "_validate", lambda *a, **k: {"max_abs_diff": 1.0, "max_abs_reference": 1.0})
+    monkeypatch.setattr(oe, "validate_outputs", lambda *a, **k: {"max_abs_diff": 1.0, "max_abs_reference": 1.0})
     with pytest.raises(OnnxExportError, match="export refused"):
         onnx_backend(1, 1, None).reset()
-    assert list((tmp_path / "onnx").iterdir()) == []
+    assert list((tmp_path / "onnx" / "v2").iterdir()) == []
 
 
 def test_missing_onnxruntime_gives_the_install_hint(monkeypatch, tiny_model_dir, capsys):
@@ -264,8 +289,9 @@ def test_cli_generate_backend_onnx_exports_once_and_matches_torch(tiny_model_dir
     assert "exporting" not in err and json.loads(out)["token_ids"] == first["token_ids"]
     assert main(args) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == first["token_ids"]
-    (export,) = (tmp_path / "onnx").iterdir()
-    assert export.name.endswith("-l1-untrained")
+    (export,) = (tmp_path / "onnx" / "v2").iterdir()
+    assert export.name.endswith("-l1")
+    assert [p.name for p in (export / "drafters" / "kangaroo").iterdir()] == ["l1-untrained"]
 
 
 @needs_ort
@@ -278,7 +304,11 @@ def test_cli_export_onnx_then_generate_from_it(tiny_model_dir, other_tiny_model_
     assert "exists and is not empty" in capsys.readouterr().err
     base = ["generate", "hello world", "--max-new-tokens", "6", "--backend", "onnx", "--onnx-dir", str(out_dir), "--json"]
     assert main(base + ["--model", str(tiny_model_dir)]) == 0
-    assert json.loads(capsys.readouterr().out)["new_tokens"] >= 1
+    from_bundle = json.loads(capsys.readouterr().out)["token_ids"]
+    assert (out_dir / "drafters" / "kangaroo" / "l2-untrained" / "adapter.onnx").is_file()  # exported with the split
+    assert main(["generate", "hello world", "--max-new-tokens", "6", "--exit-layer", "2", "--json", "--vanilla",
+                 "--model", str(tiny_model_dir)]) == 0
+    assert from_bundle == json.loads(capsys.readouterr().out)["token_ids"]  # the same tokens as torch alone
     assert main(base + ["--model", str(other_tiny_model_dir)]) == 1
     err = capsys.readouterr().err
     assert err.startswith("kangaroo: error: ONNX export") and "made for base model" in err and err.count("\n") == 1

@@ -14,19 +14,18 @@ from kangaroo_core.cli import main
 from kangaroo_core.config import DecodeConfig
 from kangaroo_core.engine import Engine
 from kangaroo_plugins.greedy_verifier import GreedyVerifier
-from kangaroo_plugins.kangaroo_drafter import KangarooDrafter
+from kangaroo_plugins.kangaroo.drafter import KangarooDrafter
 from kangaroo_policies.adaptive import AdaptivePolicy
-from kangaroo_policies.analysis import AnswerRecord, Costs, calibration, replay_answer, round_summary, simulate_policy
+from kangaroo_tools.policy_analysis import AnswerRecord, Costs, calibration, round_summary
+from kangaroo_core.results import RoundResult
+from kangaroo_tools.replay import replay_answer, simulate_policy
 from kangaroo_policies.fixed import FixedPolicy
 from kangaroo_policies.learned import LearnedPolicy
 from kangaroo_policies.oracle import OraclePolicy
 from kangaroo_policies.predictor import AcceptancePredictor
 from kangaroo_policies.threshold import ThresholdPolicy
 
-try:
-    from tiny import ScriptedDrafter, error_positions, tiny_backend, tiny_llama
-except ImportError:  # tests/ is a package
-    from tests.tiny import ScriptedDrafter, error_positions, tiny_backend, tiny_llama
+from kangaroo_core.testing import ScriptedDrafter, error_positions, tiny_backend, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 POLICIES = ["fixed", "adaptive", "learned", "oracle", "threshold"]
@@ -67,11 +66,11 @@ def test_replay_equals_the_engine_round_by_round(seed, policy_name, scripted, ga
     engine = Engine(backend, drafter, make_policy(), GreedyVerifier(), config)
     result = engine.generate_ids(prompt)
     assert result.token_ids == alone.token_ids
-    real = [(r.accepted, r.drafted) for r in result.rounds]
+    real = [(r.drafted, r.accepted, r.emitted) for r in result.rounds]
 
     answer = replay_answer(backend, drafter, "qa", prompt, alone.token_ids, gamma=gamma, max_new_tokens=n)
     replay = simulate_policy(answer, make_policy(), gamma)
-    assert replay == real
+    assert [(r.drafted, r.accepted, r.emitted) for r in replay] == real
     summary = round_summary(replay, None, gamma)
     if real:
         assert summary["cr"] == pytest.approx(result.mean_accepted_tokens)
@@ -103,7 +102,7 @@ def test_round_summary_and_cost_model():
     assert costs.as_dict()["marginal_draft_cost"] == pytest.approx((2.0 + 1.0) / 10.0)
     noisy = Costs(t_exit=1.0, t_draft=2.0, t_verify=(10.0, 12.0, 11.0, 13.0))
     assert noisy.verify_line == pytest.approx((10.3, 0.8))  # least squares, not the single medians
-    rounds = [(3, 3), (0, 1), (1, 2)]  # (accepted, drafted)
+    rounds = [RoundResult(d, a, a + 1, 0.0, 0.0) for a, d in [(3, 3), (0, 1), (1, 2)]]  # (accepted, drafted)
     summary = round_summary(rounds, costs, gamma=3)
     assert summary["cr"] == pytest.approx((4 + 1 + 2) / 3)
     assert summary["ctar"] == pytest.approx([2 / 3, 1 / 3, 1 / 3])
@@ -142,6 +141,6 @@ def test_analyze_policies_command_on_a_tiny_model(tiny_model_dir, tmp_path, caps
 
 def test_analyze_policies_rejects_an_unknown_policy(tiny_model_dir, tmp_path, capsys):
     code = main(["analyze-policies", "--model", str(tiny_model_dir), "--policies", "fixed,psychic"])
-    assert code == 1
+    assert code == 2  # bad usage
     err = capsys.readouterr().err
     assert "unknown policy 'psychic'" in err and "Traceback" not in err

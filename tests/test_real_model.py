@@ -16,7 +16,7 @@ from kangaroo_backends.torch_eager import TorchBackend
 from kangaroo_core.config import DecodeConfig
 from kangaroo_core.engine import Engine
 from kangaroo_plugins.greedy_verifier import GreedyVerifier
-from kangaroo_plugins.kangaroo_drafter import KangarooDrafter
+from kangaroo_plugins.kangaroo.drafter import KangarooDrafter
 from kangaroo_policies.threshold import ThresholdPolicy
 
 pytestmark = pytest.mark.slow
@@ -107,7 +107,7 @@ def test_many_accepted_drafts_on_the_real_model(smollm, references, exit_layer):
     really checks up to gamma positions per pass and the phase-5 reuse runs; output must still be the target's."""
     import random
 
-    from tiny import ScriptedDrafter, error_positions
+    from kangaroo_core.testing import ScriptedDrafter, error_positions
 
     model, tokenizer, name = smollm
     backend = TorchBackend(model, tokenizer, exit_layer, name)

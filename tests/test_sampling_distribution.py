@@ -19,14 +19,11 @@ import torch
 from kangaroo_core.config import DecodeConfig, SamplingConfig
 from kangaroo_core.engine import Engine
 from kangaroo_core.sampling import target_probs
-from kangaroo_plugins.kangaroo_drafter import KangarooDrafter
+from kangaroo_plugins.kangaroo.drafter import KangarooDrafter
 from kangaroo_plugins.speculative_verifier import SpeculativeVerifier
 from kangaroo_policies.threshold import ThresholdPolicy
 
-try:
-    from tiny import ScriptedDrafter, tiny_backend, tiny_llama
-except ImportError:  # tests/ is a package
-    from tests.tiny import ScriptedDrafter, tiny_backend, tiny_llama
+from kangaroo_core.testing import ScriptedDrafter, tiny_backend, tiny_llama
 
 VOCAB, PROMPT, TOKENS = 5, [1, 2, 3, 4], 3
 SAMPLING = SamplingConfig(temperature=1.3, top_k=4, top_p=0.95)
@@ -116,7 +113,7 @@ def test_first_tokens_follow_the_target_distribution(model, kind, sampled_drafti
         outcomes, accepted, drafted = sampled_drafting_outcomes
     elif kind == "sampled drafts, draft vocabulary":  # q is zero outside {0, 2, 4}: the residual must supply 1, 3
         from kangaroo_backends.torch_eager import model_fingerprint
-        from kangaroo_plugins.adapter import KangarooAdapter
+        from kangaroo_plugins.kangaroo.adapter import KangarooAdapter
 
         adapter = KangarooAdapter.from_base_layer(model, 1)
         adapter.set_draft_vocab([0, 2, 4])

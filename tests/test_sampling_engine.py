@@ -11,14 +11,11 @@ from hypothesis import strategies as st
 from kangaroo_core.config import ConfigError, DecodeConfig, SamplingConfig
 from kangaroo_core.engine import Engine, default_verifier
 from kangaroo_plugins.greedy_verifier import GreedyVerifier
-from kangaroo_plugins.kangaroo_drafter import KangarooDrafter
+from kangaroo_plugins.kangaroo.drafter import KangarooDrafter
 from kangaroo_plugins.speculative_verifier import SpeculativeVerifier
 from kangaroo_policies.threshold import ThresholdPolicy
 
-try:
-    from tiny import ScriptedDrafter, hf_greedy, set_eos, tiny_backend, tiny_llama
-except ImportError:  # tests/ is a package
-    from tests.tiny import ScriptedDrafter, hf_greedy, set_eos, tiny_backend, tiny_llama
+from kangaroo_core.testing import ScriptedDrafter, hf_greedy, set_eos, tiny_backend, tiny_llama
 
 SETTINGS = settings(max_examples=25, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow])

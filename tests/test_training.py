@@ -13,11 +13,13 @@ from kangaroo_backends.torch_eager import TorchBackend
 from kangaroo_core.config import DecodeConfig
 from kangaroo_core.engine import Engine
 from kangaroo_core.errors import AdapterMismatchError, KangarooError
-from kangaroo_plugins import distill
-from kangaroo_plugins.adapter import KangarooAdapter
+from kangaroo_tools import features as distill
+from kangaroo_tools import prompts as prompt_files
+from kangaroo_plugins.kangaroo.adapter import KangarooAdapter
 from kangaroo_plugins.greedy_verifier import GreedyVerifier
-from kangaroo_plugins.kangaroo_drafter import KangarooDrafter
-from kangaroo_plugins.train import (TrainConfig, simulate_greedy_rounds, soft_cross_entropy, train_adapter)
+from kangaroo_plugins.kangaroo.drafter import KangarooDrafter
+from kangaroo_tools.adapter_training import TrainConfig, soft_cross_entropy, teacher_forced_answer, train_adapter
+from kangaroo_tools.replay import Answer, simulate_policy
 from kangaroo_policies.threshold import ThresholdPolicy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -55,15 +57,15 @@ CONFIG = TrainConfig(exit_layer=1, num_prompts=16, heldout_prompts=4, max_new_to
 
 def test_read_prompts_reports_malformed_lines_with_numbers(tmp_path):
     warnings = []
-    prompts = distill.read_prompts(write_prompts(tmp_path / "p.jsonl"), warn=warnings.append)
+    prompts = prompt_files.read_prompts(write_prompts(tmp_path / "p.jsonl"), warn=warnings.append)
     assert len(prompts) == 21  # 20 prompts + the ShareGPT conversation
     assert [w.split(":")[1] for w in warnings] == ["21", "22"]
     with pytest.raises(KangarooError, match="not found"):
-        distill.read_prompts(tmp_path / "missing.jsonl")
+        prompt_files.read_prompts(tmp_path / "missing.jsonl")
 
 
 def test_split_is_prefix_stable():
-    prompts = [distill.Prompt(str(i), (("user", "x"),)) for i in range(50)]
+    prompts = [prompt_files.Prompt(str(i), (("user", "x"),)) for i in range(50)]
     small_train, held = distill.split_prompts(prompts, 10, 5, seed=3)
     big_train, held2 = distill.split_prompts(prompts, 30, 5, seed=3)
     assert held == held2 and big_train[:10] == small_train and not set(held) & set(big_train)
@@ -91,11 +93,27 @@ def test_soft_cross_entropy_matches_a_hand_computation():
     ],
 )
 def test_simulated_rounds(correct, confidence, eta, gamma, expected):
-    assert simulate_greedy_rounds(correct, confidence, eta, gamma) == expected
+    assert replayed(correct, confidence, eta, gamma) == expected
 
 
 def test_simulated_rounds_leave_the_budgets_last_token_to_the_target():
-    assert simulate_greedy_rounds([True] * 3, [0.9] * 3, 0.0, 6, budget_limited=True) == [2]
+    assert replayed([True] * 3, [0.9] * 3, 0.0, 6, budget_limited=True) == [2]
+
+
+def replayed(correct, confidence, eta, gamma, budget_limited=False):
+    """Accepted drafts per round of the shared replay on an answer whose drafts are right where ``correct`` says."""
+    from kangaroo_core.testing import make_draft_step
+
+    answer = [10 + j for j in range(len(correct) + 1)]
+    steps = []
+    for k, (ok, c) in enumerate(zip(correct, confidence)):
+        token = answer[k + 1] if ok else 2
+        probs = [(1 - c) / 39] * 40
+        probs[token] = c
+        steps.append(make_draft_step(probs))
+    budget = len(answer) if budget_limited else len(answer) + 10
+    rounds = simulate_policy(Answer("t", [1], answer, steps, {}, budget), ThresholdPolicy(eta=eta), gamma)
+    return [r.accepted for r in rounds]
 
 
 def test_pipeline_resumes_after_interruption_at_each_stage(tmp_path, backend, monkeypatch):
@@ -122,7 +140,7 @@ def test_pipeline_resumes_after_interruption_at_each_stage(tmp_path, backend, mo
     monkeypatch.setattr(distill, "generate_answers", real)
 
     # interrupt training right after the epoch-2 checkpoint, then resume to epoch 3
-    from kangaroo_plugins import train as train_module
+    from kangaroo_tools import adapter_training as train_module
 
     real_save = train_module._save_checkpoint
 
@@ -185,14 +203,14 @@ def test_simulated_cr_equals_the_real_engine(tmp_path, backend, draft_vocab):
         with torch.no_grad():
             probs = torch.softmax(adapter.logits(adapter(record["hidden"][None].double(), 0)[0], backend.lm_head), -1)
         confidence, predicted = probs[p - 1: -1].max(-1)
-        correct = (predicted == torch.tensor(response)).tolist()
-        simulated = simulate_greedy_rounds(correct[1:], confidence.tolist()[1:], 0.3, 3, budget_limited=True)
-        assert [r.accepted for r in result.rounds] == simulated
+        answer = teacher_forced_answer(record, predicted, probs[p - 1: -1], confidence, len(response), backend.eos_token_ids)
+        simulated = simulate_policy(answer, ThresholdPolicy(eta=0.3), 3)
+        assert [(r.accepted, r.emitted) for r in result.rounds] == [(r.accepted, r.emitted) for r in simulated]
 
 
 def test_draft_vocabulary_restricts_drafting_and_stays_lossless(tmp_path, backend):
-    from kangaroo_plugins.train import draft_vocab_from_records
-    from tiny import hf_greedy
+    from kangaroo_tools.adapter_training import draft_vocab_from_records
+    from kangaroo_core.testing import hf_greedy
 
     prompts = write_prompts(tmp_path / "p.jsonl", malformed=False)
     work = tmp_path / "w"

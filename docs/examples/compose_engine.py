@@ -14,7 +14,7 @@ from kangaroo_backends.torch_eager import TorchBackend
 from kangaroo_core import DecodeConfig
 from kangaroo_core.engine import Engine
 from kangaroo_plugins.greedy_verifier import GreedyVerifier
-from kangaroo_plugins.kangaroo_drafter import KangarooDrafter
+from kangaroo_plugins.kangaroo.drafter import KangarooDrafter
 from kangaroo_policies.threshold import ThresholdPolicy
 
 

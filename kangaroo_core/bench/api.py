@@ -8,41 +8,28 @@ the generation call only (not tokenisation, not setup).
 
 from __future__ import annotations
 
-import abc
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import attrs
-
-from kangaroo_core.results import RoundResult
+from kangaroo_core.interfaces import BenchMethod, Messages, MethodResult
 
 if TYPE_CHECKING:
     from kangaroo_core.config import DecodeConfig
     from kangaroo_core.engine import Engine
     from kangaroo_core.interfaces import Backend
 
-Messages = Sequence[dict[str, str]]
+__all__ = ["RUN_DEFAULT", "BenchContext", "BenchMethod", "Messages", "MethodResult", "trim"]
 
 
-@attrs.frozen
-class MethodResult:
-    """One generation by one bench method.
+class _RunDefault:
+    """The sentinel meaning "the bench run's own choice" (so that no real value, not even an adapter directory
+    named ``default``, can be mistaken for it)."""
 
-    Attributes:
-        token_ids: the new tokens (EOS included when generation stopped on it), at most ``max_new_tokens``.
-        seconds: wall time of the generation call (prefill included).
-        rounds: per-verification-round statistics when the method has them (our engine), else None.
-        target_passes: full-depth forward passes of the target after the prefill, when known without ``rounds``
-            (transformers methods); gives the compression rate CR = tokens after the first / passes.
-        generated_tokens: tokens the method really produced before truncation to ``max_new_tokens`` / EOS
-            (transformers' assisted generation can overshoot); None: ``len(token_ids)``.
-    """
+    def __repr__(self) -> str:
+        return "RUN_DEFAULT"
 
-    token_ids: list[int]
-    seconds: float
-    rounds: list[RoundResult] | None = None
-    target_passes: int | None = None
-    generated_tokens: int | None = None
+
+RUN_DEFAULT: Any = _RunDefault()
 
 
 class BenchContext:
@@ -61,7 +48,7 @@ class BenchContext:
     @property
     def model(self) -> Any:
         """The transformers model behind the backend (None for a backend without one)."""
-        return getattr(self.backend, "model", None)
+        return self.backend.base_model()
 
     @property
     def tokenizer(self) -> Any:
@@ -78,19 +65,18 @@ class BenchContext:
         return self._encoder.encode(list(messages))
 
     def backend_at(self, exit_layer: int) -> "Backend":
-        """The backend split at ``exit_layer``, sharing the loaded weights (the torch backend re-splits in place)."""
+        """The backend split at ``exit_layer``, sharing the loaded weights (:meth:`Backend.resplit`)."""
         if exit_layer not in self._backends:
-            base = self.backend
-            model = getattr(base, "model", None)
-            if model is None:
+            try:
+                self._backends[exit_layer] = self.backend.resplit(exit_layer)
+            except NotImplementedError as exc:
                 from kangaroo_core.errors import BenchError
 
-                raise BenchError(f"the '{base.name}' backend cannot be re-split at exit layer {exit_layer}")
-            self._backends[exit_layer] = type(base)(model, base.tokenizer, exit_layer, base.model_name)
+                raise BenchError(str(exc)) from None
         return self._backends[exit_layer]
 
-    def engine(self, *, drafter: str | None | object = "default", config: "DecodeConfig | None" = None,
-               adapter: str | None | object = "default", exit_layer: int | None = None, policy: Any = None,
+    def engine(self, *, drafter: Any = RUN_DEFAULT, config: "DecodeConfig | None" = None,
+               adapter: Any = RUN_DEFAULT, exit_layer: int | None = None, policy: Any = None,
                verifier: Any = None, policy_options: dict[str, Any] | None = None,
                backend: "Backend | None" = None) -> "Engine":
         """An engine on the shared backend (or ``backend``). ``drafter=None``: the target alone; every other default
@@ -100,36 +86,13 @@ class BenchContext:
         config = config or self.config
         if exit_layer is not None:
             config = config.replace(exit_layer=exit_layer)
-        drafter = self.drafter if drafter == "default" else drafter
-        adapter = self.adapter if adapter == "default" else adapter
+        drafter = self.drafter if drafter is RUN_DEFAULT else drafter
+        adapter = self.adapter if adapter is RUN_DEFAULT else adapter
         if policy is None:  # the run's policy with the run's options; another policy starts from its defaults
             policy, policy_options = self.policy, self.policy_options if policy_options is None else policy_options
         return Engine.build(config=config, backend=backend or self.backend_at(config.exit_layer), drafter=drafter,
                             policy=policy, verifier=verifier or self.verifier, adapter=adapter,
                             policy_options=policy_options or None)
-
-
-class BenchMethod(abc.ABC):
-    """A way of generating a reply, measured by ``kangaroo bench``.
-
-    Lifecycle: ``create(config, **options)`` → ``prepare(context)`` once (build engines, check the model; raise to
-    report the method as failed) → ``run(messages, max_new_tokens)`` per question turn.
-    """
-
-    #: Registered name, e.g. ``"hf_vanilla"``.
-    name: str = ""
-
-    @classmethod
-    def create(cls, config: "DecodeConfig", **options: Any) -> "BenchMethod":
-        return cls(**options)
-
-    @abc.abstractmethod
-    def prepare(self, context: BenchContext) -> None:
-        """Set up on the shared model (called once, before the warm-up)."""
-
-    @abc.abstractmethod
-    def run(self, messages: Messages, max_new_tokens: int) -> MethodResult:
-        """Reply to a conversation (a list of ``{"role", "content"}`` ending with a user turn)."""
 
 
 def trim(tokens: Sequence[int], eos: frozenset[int], max_new_tokens: int) -> list[int]:

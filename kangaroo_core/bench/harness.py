@@ -14,9 +14,11 @@ from typing import Any
 
 import attrs
 
-from kangaroo_core.bench.api import BenchContext, BenchMethod, MethodResult
+from kangaroo_core.bench.api import BenchContext
+from kangaroo_core.interfaces import BenchMethod, MethodResult
 from kangaroo_core.bench.questions import Question, subtasks_in_order
-from kangaroo_core.errors import BenchError
+from kangaroo_core.errors import BenchError, UsageError
+from kangaroo_core.metrics import compression_rate, ctar, mean_drafted
 from kangaroo_core.plugins import get_registry
 
 REFERENCE = "hf_vanilla"
@@ -57,11 +59,9 @@ class BenchRun:
 
 
 def known_methods() -> list[str]:
-    """Registered bench methods: the built-ins in their canonical order, then the others alphabetically."""
-    from kangaroo_plugins.bench_methods import BUILTIN_ORDER
-
-    names = get_registry().names("bench_method")
-    return [n for n in BUILTIN_ORDER if n in names] + [n for n in names if n not in BUILTIN_ORDER]
+    """Registered bench methods, ordered by their ``rank`` (the built-ins first), then by name."""
+    registry = get_registry()
+    return sorted(registry.names("bench_method"), key=lambda n: (registry.resolve("bench_method", n).rank, n))
 
 
 def parse_methods(text: str | None) -> list[MethodSpec]:
@@ -69,10 +69,10 @@ def parse_methods(text: str | None) -> list[MethodSpec]:
     known = known_methods()
     names = known if text is None else [n.strip() for n in text.split(",") if n.strip()]
     if not names:
-        raise BenchError("--methods is empty")
+        raise UsageError("--methods is empty")
     unknown = [n for n in names if n not in known]
     if unknown:
-        raise BenchError(f"unknown bench method(s) {', '.join(unknown)}; known bench methods: {', '.join(known)}")
+        raise UsageError(f"unknown bench method(s) {', '.join(unknown)}; known bench methods: {', '.join(known)}")
     names = [REFERENCE] + [n for n in dict.fromkeys(names) if n != REFERENCE]
     return [MethodSpec(n, n) for n in names]
 
@@ -100,7 +100,7 @@ def run_bench(context: BenchContext, methods: list[tuple[str, BenchMethod]], que
     from tqdm import tqdm
 
     if repeats < 1:
-        raise BenchError(f"--repeats must be >= 1, got {repeats}")
+        raise UsageError(f"--repeats must be >= 1, got {repeats}")
     labels = [label for label, _ in methods]
     by_label = dict(methods)
     errors: dict[str, str] = {}
@@ -169,11 +169,10 @@ def metrics(records: Sequence[Record], greedy: bool) -> dict[str, Any]:
                tokens_per_second=new_tokens / seconds if seconds > 0 else None)
     if results and all(r.rounds is not None for r in results):
         rounds = [rnd for r in results for rnd in r.rounds]
-        n = len(rounds)
-        if n:
-            out["mean_accepted_tokens"] = sum(x.emitted for x in rounds) / n
-            out["ctar"] = [sum(x.accepted >= w for x in rounds) / n for w in range(1, CTAR_WINDOWS + 1)]
-            out["mean_drafted"] = sum(x.drafted for x in rounds) / n
+        if rounds:
+            out["mean_accepted_tokens"] = compression_rate(rounds)
+            out["ctar"] = ctar(rounds, CTAR_WINDOWS)
+            out["mean_drafted"] = mean_drafted(rounds)
             draft = sum(x.draft_seconds for x in rounds)
             verify = sum(x.verify_seconds for x in rounds)
             if draft + verify > 0:

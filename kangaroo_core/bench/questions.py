@@ -8,7 +8,7 @@ from pathlib import Path
 
 import attrs
 
-from kangaroo_core.errors import BenchError
+from kangaroo_core.errors import BenchError, UsageError
 
 #: Spec-Bench's subtasks, in its leaderboard's order.
 SUBTASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
@@ -47,13 +47,14 @@ def load_questions(path: str | Path, limit_per_subtask: int | None = None) -> li
         raise BenchError(f"questions file not found: {path} (pass --questions FILE)")
     questions: list[Question] = []
     bad: list[tuple[int, str]] = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
             try:
+                line = raw.decode("utf-8")  # invalid UTF-8 is a malformed line, reported with its number
+                if not line.strip():
+                    continue
                 question = _parse(line)
-            except ValueError as exc:
+            except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
                 bad.append((number, str(exc)))
                 continue
             if not question.question_id:
@@ -66,7 +67,7 @@ def load_questions(path: str | Path, limit_per_subtask: int | None = None) -> li
         raise BenchError(f"{path} has no questions")
     if limit_per_subtask is not None:
         if limit_per_subtask < 1:
-            raise BenchError(f"--limit-per-subtask must be >= 1, got {limit_per_subtask}")
+            raise UsageError(f"--limit-per-subtask must be >= 1, got {limit_per_subtask}")
         counts: dict[str, int] = {}
         kept = []
         for q in questions:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,10 @@ def _baseline(summary: dict[str, Any]) -> str:
 
 
 def write_json(path: Path, payload: Any) -> Path:
-    path.write_text(json.dumps(payload, indent=2) + "\n")
+    """Write atomically (temp file + rename): an interrupted save never leaves half a results file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    os.replace(tmp, path)
     return path
 
 

@@ -56,6 +56,7 @@ class PromptLookupDrafter(SelfDrafter):
             raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
         self.max_ngram, self.min_ngram, self.confidence = max_ngram, min_ngram, confidence
         self.vocab_size = 0
+        self._seen = 0
 
     @classmethod
     def create(cls, config: DecodeConfig, **options: Any) -> "PromptLookupDrafter":
@@ -64,14 +65,19 @@ class PromptLookupDrafter(SelfDrafter):
     def bind(self, backend: Backend) -> None:
         self.vocab_size = backend.vocab_size
 
-    # Stateless: everything it needs is in token_ids, so there is nothing to forget.
+    # Everything it needs is in token_ids; the only state is how many positions it has been fed.
+    @property
+    def seen(self) -> int:
+        return self._seen
+
     def reset(self) -> None:
-        pass
+        self._seen = 0
 
     def crop(self, length: int) -> None:
-        pass
+        self._seen = min(self._seen, length)
 
     def advance(self, token_ids: Sequence[int], hidden: torch.Tensor) -> torch.Tensor | None:
+        self._seen = len(token_ids)  # hidden held positions seen..len(token_ids)-1
         token = lookup(token_ids, self.max_ngram, self.min_ngram)
         if token is None:
             return None  # nothing to propose: the engine stops drafting for this round

@@ -11,9 +11,9 @@ import torch
 
 from kangaroo_core.config import DecodeConfig
 from kangaroo_core.errors import KangarooError
-from kangaroo_core.hookspecs import hookimpl
-from kangaroo_core.interfaces import Backend, SelfDrafter
-from kangaroo_plugins.adapter import METADATA_FILE, KangarooAdapter
+from kangaroo_core.interfaces import Backend, DraftRunner, SelfDrafter
+from kangaroo_plugins.kangaroo.adapter import METADATA_FILE, KangarooAdapter
+from kangaroo_plugins.kangaroo.runners import make_runner
 
 #: Trained adapters shipped with kangaroo (one directory each); picked by base-model fingerprint and exit layer.
 SHIPPED_ADAPTERS = Path(__file__).resolve().parent / "adapters"
@@ -30,10 +30,8 @@ def shipped_adapter_for(fingerprint: str, exit_layer: int) -> Path | None:
 
 
 class KangarooDrafter(SelfDrafter):
-    """Drafts with ``lm_head(adapter(h_l))``.
-
-    On a backend with ``adapter_runner(adapter_path)`` (the onnx backend) the adapter and the shared head run as the
-    backend's exported adapter graph; the drafting logic is the same.
+    """Drafts with ``head(adapter(h_l))``, on whichever runtime the backend uses (see
+    :mod:`kangaroo_plugins.kangaroo.runners`): the drafting logic is the same on torch and onnxruntime.
 
     Args:
         adapter: an adapter directory (``adapter.safetensors`` + ``adapter.json``); None for the shipped adapter of
@@ -45,7 +43,7 @@ class KangarooDrafter(SelfDrafter):
 
     def __init__(self, adapter: str | None = None):
         self.adapter_path = adapter
-        self.adapter: KangarooAdapter | None = None
+        self.runner: DraftRunner | None = None
 
     @classmethod
     def create(cls, config: DecodeConfig, **options: Any) -> "KangarooDrafter":
@@ -61,53 +59,28 @@ class KangarooDrafter(SelfDrafter):
         return str(shipped) if shipped else None
 
     def bind(self, backend: Backend) -> None:
+        model = backend.base_model()
+        if model is None or backend.shared_head() is None:
+            raise KangarooError(f"the kangaroo drafter builds its adapter from the target's weights; the "
+                                f"'{backend.name}' backend exposes no base model")
         self.resolved_adapter = self.resolve_adapter(backend)
-        factory = getattr(backend, "adapter_runner", None)
-        if factory is not None:  # e.g. the onnx backend: the adapter + shared head run as one exported graph
-            self.adapter, self.head, self.cache = None, None, None
-            self.runner = factory(self.resolved_adapter)
-            self.seen = 0
-            return
-        model = getattr(backend, "model", None)
-        if model is None or not hasattr(backend, "lm_head"):
-            raise KangarooError(f"the kangaroo drafter needs a PyTorch backend or one with adapter_runner(), not '{backend.name}'")
         if self.resolved_adapter is None:
-            self.adapter = KangarooAdapter.from_base_layer(model, backend.exit_layer)
+            adapter = KangarooAdapter.from_base_layer(model, backend.exit_layer)
         else:
-            self.adapter = KangarooAdapter.load(
-                self.resolved_adapter, model, base_fingerprint=backend.fingerprint, exit_layer=backend.exit_layer
-            )
-        self.adapter.eval()
-        self.head = self.adapter.drafting_head(backend.lm_head)  # resolved once: shared head or draft-vocab rows
-        self.cache = self.adapter.new_cache()
-        self.runner = None
-        self.seen = 0
+            adapter = KangarooAdapter.load(self.resolved_adapter, model, base_fingerprint=backend.fingerprint,
+                                           exit_layer=backend.exit_layer)
+        self.adapter = adapter.eval()
+        self.runner = make_runner(backend, self.adapter, self.resolved_adapter)
+
+    @property
+    def seen(self) -> int:
+        return self.runner.length if self.runner is not None else 0
 
     def reset(self) -> None:
-        if self.runner is not None:
-            self.runner.reset()
-        else:
-            self.cache.reset()
-        self.seen = 0
+        self.runner.reset()
 
-    @torch.inference_mode()
     def advance(self, token_ids: Sequence[int], hidden: torch.Tensor) -> torch.Tensor:
-        if self.runner is not None:
-            logits = self.runner.advance(hidden, self.seen)  # [V]
-            self.seen += hidden.shape[0]
-            return logits
-        out = self.adapter(hidden[None], self.seen, self.cache)  # [1, n, d]
-        self.seen += hidden.shape[0]
-        return self.head(out[0, -1])  # [V]
+        return self.runner.advance(hidden, self.runner.length)  # [V]
 
     def crop(self, length: int) -> None:
-        if self.runner is not None:
-            self.runner.crop(length)
-        else:
-            self.cache.crop(length)
-        self.seen = min(self.seen, length)
-
-
-@hookimpl
-def register_drafters(register):
-    register("kangaroo", KangarooDrafter)
+        self.runner.crop(length)

@@ -27,10 +27,15 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from kangaroo_core import metrics
 from kangaroo_core.config import _non_negative_int, _positive_int, _unit_interval
 from kangaroo_core.errors import KangarooError
-from kangaroo_plugins.adapter import KangarooAdapter
-from kangaroo_plugins.distill import build_shards, load_shards, read_prompts, split_prompts
+from kangaroo_core.results import DraftStep
+from kangaroo_plugins.kangaroo.adapter import KangarooAdapter
+from kangaroo_policies.threshold import ThresholdPolicy
+from kangaroo_tools.features import build_shards, load_shards, split_prompts
+from kangaroo_tools.prompts import read_prompts
+from kangaroo_tools.replay import Answer, simulate_policy
 
 
 @attrs.frozen
@@ -70,41 +75,6 @@ def soft_cross_entropy(draft_logits: torch.Tensor, topk_ids: torch.Tensor, topk_
     log_q = torch.log_softmax(draft_logits.float(), dim=-1)  # [N, V]
     p = torch.softmax(topk_logprobs.float(), dim=-1)  # [N, K], renormalised over the K kept entries
     return -(p * log_q.gather(-1, topk_ids)).sum(-1).mean()
-
-
-def simulate_greedy_rounds(correct: Sequence[bool], confidence: Sequence[float], eta: float, gamma: int,
-                           budget_limited: bool = False) -> list[int]:
-    """Accepted drafts per round of greedy Kangaroo decoding over one answer, from teacher-forced predictions.
-
-    ``correct[j]`` / ``confidence[j]``: whether the draft for response token j+1 equals it, and the draft's top-1
-    probability. On the model's own greedy answer a draft continues only while it matches, so this reproduces the
-    engine exactly: drafting stops at a mismatch, after a draft with confidence <= eta, or after gamma drafts; each
-    round then emits the accepted drafts + one target token. When the answer ended at the token budget (not at
-    EOS), the engine never drafts the budget's last token (it leaves it to the target): ``budget_limited``.
-    """
-    rounds, j, n = [], 0, len(correct)
-    while j < n:
-        accepted = 0
-        limit = n - 1 if budget_limited else n
-        while j + accepted < limit:
-            k = j + accepted
-            if not correct[k]:
-                break
-            accepted += 1
-            if confidence[k] <= eta or accepted == gamma:
-                break
-        rounds.append(accepted)
-        j += accepted + 1
-    return rounds
-
-
-def round_metrics(rounds: Sequence[int], gamma: int) -> dict:
-    n = len(rounds)
-    return {
-        "rounds": n,
-        "cr": (sum(rounds) + n) / n if n else 0.0,
-        "ctar": [sum(r >= w for r in rounds) / n if n else 0.0 for w in range(1, gamma + 1)],
-    }
 
 
 # -- batching -------------------------------------------------------------------------------------------------------
@@ -155,11 +125,25 @@ def vocab_coverage(records: Sequence[dict], vocab: Sequence[int]) -> float:
     return sum(t in keep for t in tokens) / max(len(tokens), 1)
 
 
+def teacher_forced_answer(record: dict, predicted: torch.Tensor, probs: torch.Tensor, confidence: torch.Tensor,
+                          max_new_tokens: int, eos_ids: frozenset[int]) -> Answer:
+    """The replay's :class:`~kangaroo_tools.replay.Answer` of one held-out answer from the adapter's teacher-forced
+    predictions for its response tokens (row i predicts response token i; the prefill emits token 0, so the draft
+    for token k + 1 is row k + 1). No off-path drafts: accepted / emitted counts are exact."""
+    answer = record["input_ids"][record["prompt_length"]:].tolist()
+    steps = [DraftStep(index=1, token=int(predicted[i]), probs=probs[i], confidence=float(confidence[i]))
+             for i in range(1, len(answer))]
+    prompt = record["input_ids"][: record["prompt_length"]].tolist()
+    return Answer("heldout", prompt, answer, steps, {}, max_new_tokens, frozenset(eos_ids))
+
+
 @torch.no_grad()
 def evaluate(adapter: KangarooAdapter, head, records: list[dict], config: TrainConfig, eos_ids=frozenset()) -> dict:
-    """Held-out loss, teacher-forced top-1 agreement with the target, and exact greedy CR / CTAR(1..gamma)."""
+    """Held-out loss, teacher-forced top-1 agreement with the target, and greedy CR / CTAR(1..gamma) of the
+    threshold policy at (eta, gamma), replayed exactly (:func:`kangaroo_tools.replay.simulate_policy`)."""
     adapter.eval()
     losses, agree, total, all_rounds = [], 0, 0, []
+    policy = ThresholdPolicy(eta=config.eta)
     for batch in _batches(records, config.batch_size, None):
         hidden, select, topk_ids, topk_logps, targets = _collate(batch, head.weight.dtype)
         logits = _draft_logits(adapter, head, hidden, select)
@@ -172,15 +156,14 @@ def evaluate(adapter: KangarooAdapter, head, records: list[dict], config: TrainC
         offset = 0
         for r in batch:
             n = r["hidden"].shape[0] - r["prompt_length"]
-            correct = (predicted[offset:offset + n] == targets[offset:offset + n]).tolist()
-            conf = confidence[offset:offset + n].tolist()
+            rows = slice(offset, offset + n)
             offset += n
-            # the prefill emits response token 0; drafts start with token 1
-            ended_on_budget = int(r["input_ids"][-1]) not in eos_ids
-            all_rounds += simulate_greedy_rounds(correct[1:], conf[1:], config.eta, config.gamma, ended_on_budget)
+            answer = teacher_forced_answer(r, predicted[rows], probs[rows], confidence[rows], config.max_new_tokens, eos_ids)
+            all_rounds += simulate_policy(answer, policy, config.gamma)
     adapter.train()
+    summary = metrics.round_summary(all_rounds, config.gamma)
     return {"loss": sum(losses) / max(total, 1), "top1_agreement": agree / max(total, 1), "tokens": total,
-            **round_metrics(all_rounds, config.gamma)}
+            "rounds": summary["rounds"], "cr": summary["cr"] or 0.0, "ctar": summary["ctar"] or [0.0] * config.gamma}
 
 
 # -- checkpoints ----------------------------------------------------------------------------------------------------
@@ -230,6 +213,7 @@ def train_adapter(backend, prompts_file: str | Path, work_dir: str | Path, out_d
     if not 1 <= config.exit_layer < backend.num_layers:
         raise KangarooError(f"exit_layer must be in [1, {backend.num_layers - 1}], got {config.exit_layer}")
     work, out = Path(work_dir), Path(out_dir)
+    prompts = read_prompts(prompts_file, warn=log)  # a file without usable prompts is refused before anything is made
     work.mkdir(parents=True, exist_ok=True)
     model, tokenizer = backend.model, backend.tokenizer
     torch.manual_seed(config.seed)
@@ -241,7 +225,6 @@ def train_adapter(backend, prompts_file: str | Path, work_dir: str | Path, out_d
     plan_key = {"prompts_file": str(Path(prompts_file).resolve()), "heldout_prompts": config.heldout_prompts, "seed": config.seed, "max_new_tokens": config.max_new_tokens,
                 "top_k": config.top_k, "layers": config.layers(), "fingerprint": backend.fingerprint,
                 "generation_batch_size": config.generation_batch_size}
-    prompts = read_prompts(prompts_file, warn=log)
     train_prompts, heldout_prompts = split_prompts(prompts, config.num_prompts, config.heldout_prompts, config.seed)
     if plan_path.exists() and json.loads(plan_path.read_text()).get("key") != plan_key:
         raise KangarooError(f"{work} holds data of another configuration; use a new --work-dir")

@@ -21,62 +21,12 @@ import random
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-import attrs
 import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from kangaroo_core.errors import KangarooError
-
-
-@attrs.frozen
-class Prompt:
-    id: str
-    messages: tuple  # tuple of (role, content)
-    category: str = ""
-
-
-def read_prompts(path: str | Path, *, warn=print) -> list[Prompt]:
-    """Prompts from JSONL: ``{"id", "prompt", "category"}`` lines or ShareGPT-style ``{"conversations": [...]}``.
-
-    Malformed lines are reported with their line number and skipped. For ShareGPT items only the first human turn
-    is used (the target writes its own answer).
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise KangarooError(f"prompts file not found: {path}")
-    prompts: list[Prompt] = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-                prompts.append(_parse_prompt(item, number))
-            except (json.JSONDecodeError, ValueError, TypeError, AttributeError) as exc:
-                warn(f"{path}:{number}: skipped malformed line ({exc})")
-    if not prompts:
-        raise KangarooError(f"{path} holds no usable prompts")
-    return prompts
-
-
-def _parse_prompt(item: dict, number: int) -> Prompt:
-    if not isinstance(item, dict):
-        raise ValueError("not a JSON object")
-    if "prompt" in item:
-        text = item["prompt"]
-        if not isinstance(text, str) or not text.strip():
-            raise ValueError("'prompt' must be a non-empty string")
-        return Prompt(str(item.get("id", number)), (("user", text),), str(item.get("category", "")))
-    conversation = item.get("conversations") or item.get("messages")
-    if isinstance(conversation, list):
-        for turn in conversation:
-            role = turn.get("from") or turn.get("role")
-            text = turn.get("value") or turn.get("content")
-            if role in ("human", "user") and isinstance(text, str) and text.strip():
-                return Prompt(str(item.get("id", number)), (("user", text),), str(item.get("category", "")))
-        raise ValueError("no user turn in the conversation")
-    raise ValueError("needs a 'prompt' string or a 'conversations' list")
+from kangaroo_tools.prompts import Prompt, encode_prompt
 
 
 def split_prompts(prompts: Sequence[Prompt], count: int, heldout: int, seed: int) -> tuple[list[Prompt], list[Prompt]]:
@@ -90,14 +40,6 @@ def split_prompts(prompts: Sequence[Prompt], count: int, heldout: int, seed: int
     if len(order) <= heldout:
         raise KangarooError(f"need more than {heldout} prompts to hold {heldout} out, got {len(order)}")
     return order[heldout: heldout + count], order[:heldout]
-
-
-def _encode(tokenizer, prompt: Prompt) -> list[int]:
-    messages = [{"role": role, "content": text} for role, text in prompt.messages]
-    if tokenizer.chat_template:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-    return tokenizer.encode(messages[-1]["content"])
 
 
 @torch.inference_mode()
@@ -178,7 +120,7 @@ def build_shards(model, tokenizer, prompts: Sequence[Prompt], directory: Path, s
         paths.append(path)
         if path.exists():
             continue
-        prompt_ids = [_encode(tokenizer, p)[-max_prompt_tokens:] for p in batches[index]]
+        prompt_ids = [encode_prompt(tokenizer, p)[-max_prompt_tokens:] for p in batches[index]]
         answers = generate_answers(model, tokenizer, prompt_ids, max_new_tokens, eos_ids)
         sequences = [p + a for p, a in zip(prompt_ids, answers)]
         shard = extract_features(model, sequences, [len(p) for p in prompt_ids], layers, top_k)

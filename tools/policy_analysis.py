@@ -33,39 +33,15 @@ from typing import Any
 import attrs
 import torch
 
+from kangaroo_core import metrics
 from kangaroo_core.interfaces import Backend, SelfDrafter, StoppingPolicy
-from kangaroo_core.results import DraftStep
+from kangaroo_core.results import RoundResult
+from kangaroo_tools.replay import Answer, replay_answer, simulate_policy
 
 #: Confidence bins of the calibration plot.
 CALIBRATION_BINS = 10
 #: The eta grid of the optimal-eta search.
 ETA_GRID = tuple(round(0.05 * i, 2) for i in range(20))
-
-
-@attrs.frozen
-class Answer:
-    """One question turn: the target's greedy answer and every draft the engine could make along it.
-
-    ``steps[k]``: the draft for ``answer[k + 1]`` made from the true prefix (None: the drafter proposed nothing).
-    ``off_path[k]``: when ``steps[k]`` is wrong, the drafts that would follow it in the same round (made from the
-    wrong prefix, up to gamma − 1 of them), for policies that keep drafting past a draft the target will reject.
-    """
-
-    subtask: str
-    prompt_ids: list[int]
-    answer: list[int]
-    steps: list[DraftStep | None] = attrs.field(eq=False, repr=False)
-    off_path: dict[int, list[DraftStep]] = attrs.field(eq=False, repr=False)
-    max_new_tokens: int
-    eos: frozenset[int] = frozenset()
-
-    @property
-    def correct(self) -> list[bool]:
-        return [s is not None and s.token == self.answer[k + 1] for k, s in enumerate(self.steps)]
-
-    @property
-    def confidence(self) -> list[float]:
-        return [0.0 if s is None else s.confidence for s in self.steps]
 
 
 @attrs.frozen
@@ -106,106 +82,13 @@ class Costs:
                 "marginal_draft_cost": (self.t_draft + slope) / base}
 
 
-def _step(logits: torch.Tensor | None) -> DraftStep | None:
-    """A draft exactly as the engine builds it (index fixed later, per replayed round)."""
-    return None if logits is None else DraftStep.from_logits(logits, index=1)
-
-
-@torch.inference_mode()
-def replay_answer(backend: Backend, drafter: SelfDrafter, subtask: str, prompt_ids: Sequence[int],
-                  answer: Sequence[int], *, gamma: int, max_new_tokens: int) -> Answer:
-    """Walk the answer once with the true prefix (teacher forcing) and branch off at every wrong draft."""
-    prompt, answer = list(prompt_ids), list(answer)
-    eos = frozenset(backend.eos_token_ids)
-    tokens = prompt + answer
-    p, m = len(prompt), len(answer)
-    backend.reset()
-    drafter.reset()
-    steps: list[DraftStep | None] = []
-    off_path: dict[int, list[DraftStep]] = {}
-    if m < 2:
-        return Answer(subtask, prompt, answer, steps, off_path, max_new_tokens, eos)
-    logits = drafter.advance(tokens[: p + 1], backend.shallow(tokens[: p + 1]))
-    for k in range(m - 1):  # the drafter has seen positions 0..p+k; steps[k] predicts answer[k + 1]
-        step = _step(logits)
-        steps.append(step)
-        seen = p + k + 1
-        if step is not None and step.token != answer[k + 1] and step.token not in eos and gamma > 1:
-            branch, sequence, token = [], tokens[:seen], step.token
-            for _ in range(gamma - 1):  # exactly what the engine drafts next from the wrong prefix
-                sequence = sequence + [token]
-                nxt = _step(drafter.advance(sequence, backend.shallow([token])))
-                if nxt is None:
-                    break
-                branch.append(nxt)
-                if nxt.token in eos:
-                    break
-                token = nxt.token
-            off_path[k] = branch
-            backend.crop(seen)
-            drafter.crop(seen)
-        if k + 1 < m - 1:
-            logits = drafter.advance(tokens[: seen + 1], backend.shallow([answer[k + 1]]))
-    return Answer(subtask, prompt, answer, steps, off_path, max_new_tokens, eos)
-
-
-def _round_drafts(answer: Answer, j: int, correct: list[bool]):
-    """(draft, on the target's path) for the drafts of a round that starts after ``answer[j]``, in order."""
-    for k in range(j, len(answer.steps)):
-        step = answer.steps[k]
-        if step is None:
-            return
-        yield step, correct[k]
-        if not correct[k]:
-            for off in answer.off_path.get(k, []):
-                yield off, False
-            return
-
-
-def simulate_policy(answer: Answer, policy: StoppingPolicy, gamma: int) -> list[tuple[int, int]]:
-    """(accepted, drafted) of every round the engine would run with ``policy`` on this greedy answer.
-
-    Mirrors :meth:`Engine.decode`: at most min(gamma, budget − 1) drafts, the policy asked after each draft, drafting
-    stops after a draft that is EOS or when the drafter has nothing to propose; the verify accepts the drafts up to
-    the first one off the target's path.
-    """
-    correct = answer.correct
-    m = len(answer.answer)
-    rounds: list[tuple[int, int]] = []
-    j = 0  # the output so far is answer[: j + 1]
-    tokens = list(answer.prompt_ids) + answer.answer[:1]
-    while j + 1 < m:
-        max_drafts = min(gamma, answer.max_new_tokens - (j + 1) - 1)
-        accepted = drafted = 0
-        on_path = True
-        if max_drafts > 0:
-            policy.start_round(tokens)  # as the engine does (the default calls begin_round)
-            for step, ok in _round_drafts(answer, j, correct):
-                drafted += 1
-                on_path = on_path and ok
-                accepted += on_path
-                if step.token in answer.eos or drafted == max_drafts:
-                    break
-                if not policy.keep_drafting(attrs.evolve(step, index=drafted)):
-                    break
-        rounds.append((accepted, drafted))
-        tokens = tokens + answer.answer[j + 1: j + accepted + 2]
-        j += accepted + 1
-    return rounds
-
-
-def round_summary(rounds: Sequence[tuple[int, int]], costs: Costs | None, gamma: int) -> dict[str, Any]:
-    """CR, CTAR(1..gamma), drafts per round and the cost model's predicted speedup of a set of rounds."""
-    n = len(rounds)
-    if n == 0:
-        return {"rounds": 0, "cr": None, "ctar": None, "drafts_per_round": None, "predicted_speedup": None}
-    tokens = sum(a + 1 for a, _ in rounds)
-    out = {"rounds": n, "cr": tokens / n, "ctar": [sum(a >= w for a, _ in rounds) / n for w in range(1, gamma + 1)],
-           "drafts_per_round": sum(d for _, d in rounds) / n,
-           "wasted_drafts_per_round": sum(d - a for a, d in rounds) / n, "predicted_speedup": None}
-    if costs is not None:
-        seconds = sum(costs.round_seconds(d) for _, d in rounds)
-        out["predicted_speedup"] = tokens * costs.vanilla_token_seconds / seconds
+def round_summary(rounds: Sequence[RoundResult], costs: Costs | None, gamma: int) -> dict[str, Any]:
+    """CR, CTAR(1..gamma), drafts per round (:func:`kangaroo_core.metrics.round_summary`) and the cost model's
+    predicted speedup of a set of replayed rounds."""
+    out = {**metrics.round_summary(rounds, gamma), "predicted_speedup": None}
+    if rounds and costs is not None:
+        seconds = sum(costs.round_seconds(r.drafted) for r in rounds)
+        out["predicted_speedup"] = sum(r.emitted for r in rounds) * costs.vanilla_token_seconds / seconds
     return out
 
 
@@ -216,8 +99,8 @@ def measure_costs(backend: Backend, drafter: SelfDrafter, prompt_ids: Sequence[i
     prompt = list(prompt_ids)
     backend.reset()
     drafter.reset()
-    hidden = backend.shallow(prompt)
-    backend.deep(hidden)
+    hidden = backend.shallow(prompt, 0)
+    backend.deep(hidden, 0, rows=[len(prompt) - 1])
     drafter.advance(prompt, hidden)
     n = len(prompt)
     token = prompt[-1]
@@ -225,19 +108,19 @@ def measure_costs(backend: Backend, drafter: SelfDrafter, prompt_ids: Sequence[i
     verify: list[list[float]] = [[] for _ in range(gamma + 1)]
     for _ in range(repeats):
         t0 = time.perf_counter()
-        h = backend.shallow([token])
+        h = backend.shallow([token], n)
         t1 = time.perf_counter()
         drafter.advance(prompt + [token], h)
-        backend.shallow([token])
+        backend.shallow([token], n + 1)
         t2 = time.perf_counter()
         exits.append(t1 - t0)
         drafts.append(t2 - t1)
         backend.crop(n)
         drafter.crop(n)
         for k in range(gamma + 1):
-            states = backend.shallow(prompt[-(k + 1):]) if n >= k + 1 else backend.shallow([token] * (k + 1))
+            states = backend.shallow(prompt[-(k + 1):] if n >= k + 1 else [token] * (k + 1), n)
             t3 = time.perf_counter()
-            backend.deep(states)
+            backend.deep(states, n)
             verify[k].append(time.perf_counter() - t3)
             backend.crop(n)
     return Costs(statistics.median(exits), statistics.median(drafts), tuple(statistics.median(v) for v in verify))
@@ -250,7 +133,7 @@ class AnswerRecord:
     subtask: str
     confidence: list[float]
     correct: list[bool]
-    rounds: dict[str, list[tuple[int, int]]]  # policy label -> (accepted, drafted) per round
+    rounds: dict[str, list[RoundResult]]  # policy label -> replayed rounds
 
 
 def threshold_label(eta: float) -> str:
@@ -272,7 +155,7 @@ def _scopes(records: Sequence[AnswerRecord]) -> list[str]:
     return [*dict.fromkeys(r.subtask for r in records), "overall"]
 
 
-def _pooled(records: Sequence[AnswerRecord], scope: str, label: str) -> list[tuple[int, int]]:
+def _pooled(records: Sequence[AnswerRecord], scope: str, label: str) -> list[RoundResult]:
     return [x for r in records if scope in ("overall", r.subtask) for x in r.rounds[label]]
 
 

@@ -8,10 +8,13 @@ model, exit layer or architecture raises :class:`~kangaroo_core.errors.AdapterMi
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
+import os
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
@@ -177,7 +180,8 @@ class KangarooAdapter(nn.Module):
         tensors = {k: v.detach().contiguous() for k, v in self.state_dict().items() if "rotary_emb" not in k}
         if self.draft_vocab is not None:
             tensors[DRAFT_VOCAB_TENSOR] = self.draft_vocab.cpu().contiguous()
-        save_file(tensors, directory / WEIGHTS_FILE)
+        save_file(tensors, directory / f".{WEIGHTS_FILE}.tmp")
+        os.replace(directory / f".{WEIGHTS_FILE}.tmp", directory / WEIGHTS_FILE)  # atomic: never half a file
         metadata = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -187,7 +191,8 @@ class KangarooAdapter(nn.Module):
             "architecture": self.architecture(),
             **(extra or {}),
         }
-        (directory / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
+        (directory / f".{METADATA_FILE}.tmp").write_text(json.dumps(metadata, indent=2) + "\n")
+        os.replace(directory / f".{METADATA_FILE}.tmp", directory / METADATA_FILE)
         return directory
 
     @classmethod
@@ -197,9 +202,11 @@ class KangarooAdapter(nn.Module):
         if not meta_path.is_file() or not weights_path.is_file():
             raise AdapterMismatchError(f"{directory} is not an adapter directory (needs {METADATA_FILE} and {WEIGHTS_FILE})")
         try:
-            meta = json.loads(meta_path.read_text())
-        except json.JSONDecodeError as exc:
-            raise AdapterMismatchError(f"{meta_path} is not valid JSON: {exc}") from None
+            meta = json.loads(meta_path.read_bytes().decode("utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise AdapterMismatchError(f"{meta_path} is not valid UTF-8 JSON: {exc}") from None
+        if not isinstance(meta, dict):
+            raise AdapterMismatchError(f"{meta_path} must hold a JSON object, not a {type(meta).__name__}")
         if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
             raise AdapterMismatchError(
                 f"{meta_path}: unsupported adapter format {meta.get('format')!r} v{meta.get('format_version')!r} "
@@ -215,12 +222,17 @@ class KangarooAdapter(nn.Module):
                 f"adapter {directory} was trained at exit layer {meta.get('exit_layer')}, but exit layer {exit_layer} was requested"
             )
         arch = meta.get("architecture") or {}
+        if not isinstance(arch, dict):
+            raise AdapterMismatchError(f"{meta_path}: 'architecture' must be a JSON object")
         variant = {"ffn": bool(arch.get("ffn")), "separate_head": bool(arch.get("separate_head"))}
         expected = adapter_architecture(model.config, **variant, draft_vocab_size=arch.get("draft_vocab_size"))
         if arch != expected:
             raise AdapterMismatchError(f"adapter {directory} architecture {arch} does not fit this model ({expected})")
         adapter = cls(model.config, **variant).to(next(model.parameters()).dtype)
-        state = load_file(weights_path)
+        try:
+            state = load_file(weights_path)
+        except (SafetensorError, OSError) as exc:
+            raise AdapterMismatchError(f"{weights_path} is not a readable safetensors file (truncated or foreign?): {exc}") from None
         draft_vocab = state.pop(DRAFT_VOCAB_TENSOR, None)
         if (draft_vocab is None) != (arch.get("draft_vocab_size") is None) or (
                 draft_vocab is not None and len(draft_vocab) != arch["draft_vocab_size"]):
@@ -230,8 +242,33 @@ class KangarooAdapter(nn.Module):
                 adapter.set_draft_vocab(draft_vocab.tolist())
             except ValueError as exc:
                 raise AdapterMismatchError(f"adapter {weights_path}: {exc}") from None
-        missing, unexpected = adapter.load_state_dict(state, strict=False)
+        try:
+            missing, unexpected = adapter.load_state_dict(state, strict=False)
+        except RuntimeError as exc:  # a tensor of the wrong shape
+            first = str(exc).strip().splitlines()
+            raise AdapterMismatchError(f"adapter {weights_path}: {first[-1].strip() if first else exc}") from None
         missing = [k for k in missing if "rotary_emb" not in k]
         if missing or unexpected:
             raise AdapterMismatchError(f"adapter {weights_path}: missing tensors {missing}, unexpected {unexpected}")
         return adapter
+
+
+def adapter_key(adapter_path: str | os.PathLike | None) -> str:
+    """Identifies an adapter in exports: ``untrained`` (initialised from layer l) or a hash of its two files.
+
+    Hashing megabytes happens once per file version (cached by path, mtime and size), never per generation."""
+    if adapter_path is None:
+        return "untrained"
+    paths = [Path(adapter_path) / name for name in (METADATA_FILE, WEIGHTS_FILE)]
+    stamp = tuple((str(p.resolve()), p.stat().st_mtime_ns, p.stat().st_size) if p.is_file() else (str(p), None, None)
+                  for p in paths)
+    if stamp not in _ADAPTER_KEYS:
+        digest = hashlib.sha256()
+        for path in paths:
+            if path.is_file():
+                digest.update(path.read_bytes())
+        _ADAPTER_KEYS[stamp] = digest.hexdigest()[:16]
+    return _ADAPTER_KEYS[stamp]
+
+
+_ADAPTER_KEYS: dict[tuple, str] = {}

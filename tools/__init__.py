@@ -1,0 +1,1 @@
+"""Tools that work on kangaroo (corpus, training, analysis); they register no hooks."""
