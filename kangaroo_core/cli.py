@@ -290,6 +290,9 @@ def bench(questions_file, out_dir, methods, limit_per_subtask, repeats, no_warmu
 @model_options
 @click.option("--prompts", "prompts_file", default="../shared/data/train_prompts.jsonl", show_default=True,
               help="JSONL prompts ({id, prompt, category}) or ShareGPT-style conversations. Never Spec-Bench.")
+@click.option("--corpus", "corpus_dir", default=None,
+              help="Train on a committed self-distilled corpus (`kangaroo corpus build`) instead of generating answers; "
+                   "features are recomputed from it into the work directory.")
 @click.option("--work-dir", default=None, help="Resumable work directory (default: under the kangaroo cache).")
 @click.option("--num-prompts", type=int, default=640, show_default=True)
 @click.option("--heldout-prompts", type=int, default=64, show_default=True, help="Prompts held out for evaluation.")
@@ -307,11 +310,11 @@ def bench(questions_file, out_dir, methods, limit_per_subtask, repeats, no_warmu
 @click.option("--record-layers", default="", help="Also record these layers' states (e.g. 1,3,4) for an exit-layer sweep on the same data.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--skip-generation", is_flag=True, help="Train on the answers recorded so far in the work directory (no new generation).")
-def train_adapter_command(out_dir, model, exit_layer, threads, prompts_file, work_dir, num_prompts, heldout_prompts,
+def train_adapter_command(out_dir, model, exit_layer, threads, prompts_file, corpus_dir, work_dir, num_prompts, heldout_prompts,
                           max_new_tokens, generation_batch_size, top_k, epochs, batch_size, lr, ffn, separate_head,
                           draft_vocab, record_layers, seed, skip_generation) -> None:
     """Train a Kangaroo adapter by self-distillation (resumable; progress bars with ETA)."""
-    from kangaroo_backends.loading import cache_dir
+    from kangaroo_core.paths import cache_dir
     from kangaroo_tools.adapter_training import TrainConfig, train_adapter
     from kangaroo_tools.prompts import read_prompts
 
@@ -326,12 +329,19 @@ def train_adapter_command(out_dir, model, exit_layer, threads, prompts_file, wor
     check_out_dir(out_dir)
     if work_dir is not None:
         check_out_dir(work_dir, "--work-dir")
-    read_prompts(prompts_file, warn=lambda _m: None)  # a file without usable prompts is refused before any work
+    corpus = None
+    if corpus_dir is not None:
+        from kangaroo_tools.corpus import Corpus
+
+        corpus = Corpus(corpus_dir)
+        corpus.manifest()  # not a corpus: refused before the model loads
+    else:
+        read_prompts(prompts_file, warn=lambda _m: None)  # a file without usable prompts is refused before any work
     backend = EngineOptions(model=model, exit_layer=exit_layer, threads=threads).backend()
     work = work_dir or cache_dir() / "train" / backend.fingerprint
     _eprint(f"kangaroo: work directory {work} (re-run the same command to resume)")
     report = train_adapter(backend, prompts_file, work, out_dir, config, command_line=command_line(), log=_eprint,
-                           generate=not skip_generation)
+                           generate=not skip_generation, corpus=corpus)
     final = report["final"]
     _eprint(f"kangaroo: adapter written to {out_dir}: held-out top-1 agreement {final['top1_agreement']:.3f}, "
             f"CR {final['cr']:.2f} (eta={config.eta}, gamma={config.gamma})")
@@ -445,9 +455,9 @@ def export_onnx_command(out, model, exit_layer, threads, adapter, opset, toleran
 
 def _resolve_onnx(opts: EngineOptions, torch_backend):
     """An onnx backend over the already loaded model (no second load)."""
-    from kangaroo_backends.onnx_backend import OnnxBackend
+    from kangaroo_core.plugins import get_registry
 
-    return OnnxBackend(torch_backend.base_model(), torch_backend.tokenizer, opts.exit_layer, torch_backend.model_name,
+    return get_registry().resolve("backend", "onnx")(torch_backend.base_model(), torch_backend.tokenizer, opts.exit_layer, torch_backend.model_name,
                        bundle=opts.onnx_dir, threads=opts.threads)
 
 

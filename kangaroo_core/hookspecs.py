@@ -30,8 +30,12 @@ def register_backends(register):
     """Register model backends: ``register(name, BackendSubclass)``.
 
     A backend loads the target model, splits it at the exit layer into the shallow part M[:l], the deep part M[l:]
-    and the shared LM head, and owns the target's KV cache (see :class:`kangaroo_core.interfaces.Backend`).
-    Selected with ``--backend NAME`` (built-in: ``torch``).
+    and the shared LM head, and owns the target's KV caches (see :class:`kangaroo_core.interfaces.Backend`). Positions
+    are explicit: ``shallow(token_ids, start)`` → layer-l states [n, d]; ``deep(hidden, start, rows=None)`` → a
+    ``DeepOutput`` with the logits of the rows asked for and the final hidden states of every position;
+    ``keep(positions)`` / ``crop(length)`` roll the caches back. Drafters may use its identity attributes,
+    ``runtime``, ``base_model()`` and ``shared_head()`` (and ``artifact_dir()`` / ``open_graph()`` on onnxruntime).
+    Selected with ``--backend NAME`` (built-in: ``torch``, ``onnx``).
     """
 
 
@@ -40,7 +44,11 @@ def register_drafters(register):
     """Register self-drafters: ``register(name, SelfDrafterSubclass)``.
 
     A drafter turns the target's layer-l hidden states (and the tokens so far) into next-token logits
-    (see :class:`kangaroo_core.interfaces.SelfDrafter`). Selected with ``--drafter NAME`` (built-in: ``kangaroo``).
+    (see :class:`kangaroo_core.interfaces.SelfDrafter`). It owns its positions (``seen``; ``advance`` gets the states
+    of positions ``seen..len(token_ids)-1``; ``crop`` after rejected drafts) and, with ``wants_deep_states = True``,
+    receives the target's final hidden states of every accepted position through ``observe_deep(start, hidden)``
+    (computed by verification anyway: no extra pass). Selected with ``--drafter NAME`` and options with
+    ``--drafter-option KEY=VALUE`` (built-in: ``kangaroo``).
     """
 
 
@@ -58,9 +66,10 @@ def register_policies(register):
 def register_verifiers(register):
     """Register verifiers: ``register(name, VerifierSubclass)``.
 
-    A verifier compares the drafts with the target's logits and returns how many are accepted and the target's
-    next token (see :class:`kangaroo_core.interfaces.Verifier`). Selected with ``--verifier NAME``
-    (built-in: ``greedy``).
+    A verifier compares the drafts with the target's logits and returns a ``Verdict``: the accepted path (indices of
+    the accepted drafts; a prefix ``Verdict.chain(m, token)`` for chains) and the target's next token (see
+    :class:`kangaroo_core.interfaces.Verifier`). Selected with ``--verifier NAME`` (built-in: ``greedy``,
+    ``speculative``).
     """
 
 
@@ -69,10 +78,10 @@ def register_bench_methods(register):
     """Register bench methods for ``kangaroo bench``: ``register(name, BenchMethodSubclass)``.
 
     A bench method is one way of generating a reply that the benchmark measures next to the others on the same
-    questions (see :class:`kangaroo_core.bench.api.BenchMethod`): ``prepare(context)`` once on the shared, loaded
+    questions (see :class:`kangaroo_core.interfaces.BenchMethod`; ``rank`` orders the columns): ``prepare(context)`` once on the shared, loaded
     model (:class:`kangaroo_core.bench.api.BenchContext`: backend, transformers model, tokenizer, config, engines on
     the same backend), then ``run(messages, max_new_tokens)`` per question turn, returning a
-    :class:`kangaroo_core.bench.api.MethodResult` (token ids, seconds, round statistics when it has them).
+    :class:`kangaroo_core.interfaces.MethodResult` (token ids, seconds, round statistics when it has them).
     Selected with ``kangaroo bench --methods NAME,...`` (every registered method by default; built-in:
     ``hf_vanilla``, ``hf_prompt_lookup``, ``hf_early_exit``, ``vanilla``, ``kangaroo``).
     """

@@ -103,8 +103,9 @@ class TinyTarget:
 
     def backend(self):
         """A fresh :class:`~kangaroo_backends.torch_eager.TorchBackend` over :attr:`model` (empty KV cache)."""
-        from kangaroo_backends.torch_eager import TorchBackend
+        from kangaroo_core.plugins import get_registry
 
+        TorchBackend = get_registry().resolve("backend", "torch")
         eos = self.model.generation_config.eos_token_id
         return TorchBackend(self.model, TinyTokenizer(self.vocab_size, eos), self.exit_layer, model_name="kangaroo-tiny")
 
@@ -179,8 +180,9 @@ def set_eos(model: Any, eos_token_id: int | Sequence[int] | None) -> None:
 
 def tiny_backend(model: Any = None, exit_layer: int = 1, seed: int = 0, **llama_options) -> Any:
     """A TorchBackend over ``model`` (or a fresh :func:`tiny_llama`); its EOS is the model's generation-config EOS."""
-    from kangaroo_backends.torch_eager import TorchBackend
+    from kangaroo_core.plugins import get_registry
 
+    TorchBackend = get_registry().resolve("backend", "torch")
     if model is None:
         model = tiny_llama(seed, **llama_options)
     eos = model.generation_config.eos_token_id

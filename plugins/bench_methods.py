@@ -131,11 +131,15 @@ class KangarooMethod(EngineMethod):
 
     name = "kangaroo"
     rank = 4
+    #: the drafter plugin (None: the run's ``--drafter``)
+    drafter: str | None = None
 
     def __init__(self, eta: float | None = None, gamma: int | None = None, adapter: str | None = None,
-                 exit_layer: int | None = None, policy: str | None = None, policy_options: dict | None = None):
+                 exit_layer: int | None = None, policy: str | None = None, policy_options: dict | None = None,
+                 drafter: str | None = None):
         self.eta, self.gamma, self.adapter, self.exit_layer = eta, gamma, adapter, exit_layer
         self.policy, self.policy_options = policy, policy_options
+        self.drafter = drafter if drafter is not None else type(self).drafter
 
     def config_for(self, context: BenchContext):
         changes = {k: v for k, v in (("eta", self.eta), ("gamma", self.gamma), ("exit_layer", self.exit_layer))
@@ -148,7 +152,15 @@ class KangarooMethod(EngineMethod):
 
     def make_engine(self, context: BenchContext):
         return context.engine(config=self.config_for(context), adapter=self.adapter_or_default, policy=self.policy,
-                              policy_options=self.policy_options)
+                              policy_options=self.policy_options, drafter=self.drafter or RUN_DEFAULT)
+
+
+class KangarooHybridMethod(KangarooMethod):
+    """Our engine with the hybrid drafter (prompt lookup where it has been accepted, the adapter otherwise)."""
+
+    name = "kangaroo_hybrid"
+    rank = 4
+    drafter = "kangaroo-hybrid"
 
 
 class VanillaMethod(EngineMethod):
@@ -165,3 +177,4 @@ def register_bench_methods(register):
     register("hf_early_exit", HFEarlyExit)
     register("vanilla", VanillaMethod)
     register("kangaroo", KangarooMethod)
+    register("kangaroo_hybrid", KangarooHybridMethod)

@@ -53,7 +53,7 @@ def model_directory(model: Any) -> Path:
 
 def optimum_export(model: Any, fingerprint: str, *, quiet: bool = False) -> Path:
     """optimum's ONNX export of ``model`` (with KV cache), cached under ``cache_dir()/ort/<fingerprint>``; atomic."""
-    from kangaroo_backends.loading import cache_dir
+    from kangaroo_core.paths import cache_dir
 
     target = cache_dir() / "ort" / fingerprint
     if (target / "model.onnx").is_file():

@@ -11,8 +11,8 @@ from kangaroo_core.plugins import KINDS, Registry
 from plugin_fixtures import (BROKEN_ON_IMPORT, DUPLICATE_THRESHOLD, ENTROPY_POLICY, RAISES_IN_HOOK, activate,
                              install_fake_distribution)
 
-BUILTINS = {"backend": ["onnx", "torch"], "drafter": ["kangaroo"], "policy": ["adaptive", "fixed", "learned", "oracle", "threshold"], "verifier": ["greedy", "speculative"],
-            "bench_method": ["hf_early_exit", "hf_prompt_lookup", "hf_vanilla", "kangaroo", "kangaroo_onnx", "ort_vanilla",
+BUILTINS = {"backend": ["onnx", "torch"], "drafter": ["kangaroo", "kangaroo-hybrid"], "policy": ["adaptive", "fixed", "learned", "oracle", "threshold"], "verifier": ["greedy", "speculative"],
+            "bench_method": ["hf_early_exit", "hf_prompt_lookup", "hf_vanilla", "kangaroo", "kangaroo_hybrid", "kangaroo_onnx", "ort_vanilla",
                              "vanilla", "vanilla_onnx"]}
 
 

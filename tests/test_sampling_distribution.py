@@ -106,7 +106,7 @@ def test_exact_distribution_is_a_distribution(model):
 
 
 @pytest.mark.parametrize("kind", ["sampled drafts", "greedy drafts", "scripted drafts", "vanilla",
-                                  "sampled drafts, draft vocabulary"])
+                                  "sampled drafts, draft vocabulary", "hybrid (lookup + adapter), sampled drafts"])
 def test_first_tokens_follow_the_target_distribution(model, kind, sampled_drafting_outcomes, tmp_path):
     """Chi-square of the joint distribution of the first three tokens against the exact target distribution."""
     if kind == "sampled drafts":
@@ -121,6 +121,13 @@ def test_first_tokens_follow_the_target_distribution(model, kind, sampled_drafti
         engine = make_engine(model, KangarooDrafter(str(tmp_path / "adapter")), SAMPLING.replace(sample_drafts=True))
         outcomes, accepted, drafted = sample_outcomes(engine, 300, seed0=2000)
         assert any(t in (1, 3) for o in outcomes for t in (o // VOCAB**2, o // VOCAB % VOCAB, o % VOCAB))
+    elif kind.startswith("hybrid"):  # q mixes a lookup token's mass with the adapter's distribution
+        from kangaroo_plugins.kangaroo.hybrid import HybridDrafter
+
+        engine = make_engine(model, HybridDrafter(adapter="untrained", min_ngram=1, prior=0.6),
+                             SAMPLING.replace(sample_drafts=True))
+        outcomes, accepted, drafted = sample_outcomes(engine, 300, seed0=3000)
+        assert engine.drafter.sources["lookup"] > 0
     else:
         drafter = None if kind == "vanilla" else KangarooDrafter() if kind == "greedy drafts" else \
             ScriptedDrafter(PROMPT + [0, 1, 2], VOCAB, confidence=0.5, strict=False)

@@ -33,7 +33,7 @@ from kangaroo_core.errors import KangarooError
 from kangaroo_core.results import DraftStep
 from kangaroo_plugins.kangaroo.adapter import KangarooAdapter
 from kangaroo_policies.threshold import ThresholdPolicy
-from kangaroo_tools.features import build_shards, load_shards, split_prompts
+from kangaroo_tools.features import build_shards, corpus_feature_shards, load_shards, split_prompts
 from kangaroo_tools.prompts import read_prompts
 from kangaroo_tools.replay import Answer, simulate_policy
 
@@ -204,16 +204,25 @@ def _latest_checkpoint(root: Path) -> Path | None:
 
 
 # -- the pipeline ---------------------------------------------------------------------------------------------------
-def train_adapter(backend, prompts_file: str | Path, work_dir: str | Path, out_dir: str | Path, config: TrainConfig,
-                  *, command_line: str = "", log=lambda m: print(m, file=sys.stderr), generate: bool = True) -> dict:
+def train_adapter(backend, prompts_file: str | Path | None, work_dir: str | Path, out_dir: str | Path,
+                  config: TrainConfig, *, command_line: str = "", log=lambda m: print(m, file=sys.stderr),
+                  generate: bool = True, corpus=None, progress: bool = True) -> dict:
     """Run (or resume) the whole pipeline for ``backend``'s model; returns the training report.
 
-    ``generate=False`` trains on the training shards recorded so far (the held-out shards must exist).
+    ``generate=False`` trains on the training shards recorded so far (the held-out shards must exist). With a
+    ``corpus`` (:class:`kangaroo_tools.corpus.Corpus`) nothing is generated: its held-out split is the evaluation
+    set, its first ``num_prompts`` training answers the training set, and features are recomputed from it.
     """
     if not 1 <= config.exit_layer < backend.num_layers:
         raise KangarooError(f"exit_layer must be in [1, {backend.num_layers - 1}], got {config.exit_layer}")
     work, out = Path(work_dir), Path(out_dir)
-    prompts = read_prompts(prompts_file, warn=log)  # a file without usable prompts is refused before anything is made
+    if corpus is not None:
+        manifest = corpus.check(fingerprint=backend.fingerprint)  # another base model's answers: refused in one line
+        # the held-out replay's token budget is the one the answers were generated with
+        config = attrs.evolve(config, max_new_tokens=manifest["settings"]["max_new_tokens"])
+        prompts = None
+    else:
+        prompts = read_prompts(prompts_file, warn=log)  # a file without usable prompts is refused before anything is made
     work.mkdir(parents=True, exist_ok=True)
     model, tokenizer = backend.model, backend.tokenizer
     torch.manual_seed(config.seed)
@@ -222,10 +231,13 @@ def train_adapter(backend, prompts_file: str | Path, work_dir: str | Path, out_d
     # 1. prompts
     t0 = time.perf_counter()
     plan_path = work / "prompts.json"
-    plan_key = {"prompts_file": str(Path(prompts_file).resolve()), "heldout_prompts": config.heldout_prompts, "seed": config.seed, "max_new_tokens": config.max_new_tokens,
-                "top_k": config.top_k, "layers": config.layers(), "fingerprint": backend.fingerprint,
-                "generation_batch_size": config.generation_batch_size}
-    train_prompts, heldout_prompts = split_prompts(prompts, config.num_prompts, config.heldout_prompts, config.seed)
+    source = {"corpus": str(Path(corpus.directory).resolve())} if corpus is not None else {
+        "prompts_file": str(Path(prompts_file).resolve()), "heldout_prompts": config.heldout_prompts,
+        "seed": config.seed, "max_new_tokens": config.max_new_tokens,
+        "generation_batch_size": config.generation_batch_size}
+    plan_key = {**source, "top_k": config.top_k, "layers": config.layers(), "fingerprint": backend.fingerprint}
+    if prompts is not None:
+        train_prompts, heldout_prompts = split_prompts(prompts, config.num_prompts, config.heldout_prompts, config.seed)
     if plan_path.exists() and json.loads(plan_path.read_text()).get("key") != plan_key:
         raise KangarooError(f"{work} holds data of another configuration; use a new --work-dir")
     plan_path.write_text(json.dumps({"key": plan_key}))
@@ -235,8 +247,15 @@ def train_adapter(backend, prompts_file: str | Path, work_dir: str | Path, out_d
     t0 = time.perf_counter()
     shard_kwargs = dict(layers=config.layers(), batch_size=config.generation_batch_size,
                         max_new_tokens=config.max_new_tokens, top_k=config.top_k, eos_ids=set(backend.eos_token_ids))
-    heldout_paths = build_shards(model, tokenizer, heldout_prompts, work / "shards", "heldout", **shard_kwargs)
-    train_paths = build_shards(model, tokenizer, train_prompts, work / "shards", "train", generate=generate, **shard_kwargs)
+    if corpus is not None:
+        feature_kwargs = dict(layers=config.layers(), top_k=config.top_k, progress=progress)
+        heldout_paths = corpus_feature_shards(corpus, model, work / "features", "heldout", **feature_kwargs)
+        train_paths = corpus_feature_shards(corpus, model, work / "features", "train", max_prompts=config.num_prompts,
+                                            **feature_kwargs)
+    else:
+        heldout_paths = build_shards(model, tokenizer, heldout_prompts, work / "shards", "heldout", **shard_kwargs)
+        train_paths = build_shards(model, tokenizer, train_prompts, work / "shards", "train", generate=generate,
+                                   **shard_kwargs)
     if not train_paths:
         raise KangarooError(f"no training shards in {work / 'shards'} yet")
     timings["data"] = time.perf_counter() - t0

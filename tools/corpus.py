@@ -151,7 +151,7 @@ class Corpus:
             manifest = self.manifest()
             for key, value in identity.items():
                 if manifest.get(key) != value:
-                    raise CorpusError(f"corpus {self.directory} was made with another {key.replace('_', ' ')} "
+                    raise CorpusError(f"corpus {self.directory} was made with a different {key.replace('_', ' ')} "
                                       f"({manifest.get(key)!r}, now {value!r}); use another directory")
             return manifest
         self.directory.mkdir(parents=True, exist_ok=True)

@@ -148,3 +148,39 @@ def load_shards(paths: Sequence[Path], layer: int) -> Iterator[dict]:
                 "topk_ids": shard["topk_ids"][row, :n].long(),
                 "topk_logprobs": shard["topk_logprobs"][row, :n],
             }
+
+
+def corpus_feature_shards(corpus, model, directory: Path, split: str, *, layers: Sequence[int], top_k: int,
+                          batch_size: int = 8, max_prompts: int | None = None, progress: bool = True) -> list[Path]:
+    """Recompute hidden states and soft labels from a committed corpus (:mod:`kangaroo_tools.corpus`) by a batched
+    teacher-forced pass: one feature shard per ``batch_size`` sequences, under ``directory`` (a cache, never
+    committed; existing shards are kept, so an interrupted pass resumes). ``max_prompts`` bounds the split."""
+    from kangaroo_tools.corpus import read_shard
+
+    directory.mkdir(parents=True, exist_ok=True)
+    paths: list[Path] = []
+    taken = 0
+    names = corpus.shard_names(split)
+    bar = tqdm(total=max_prompts or sum(corpus.manifest()["shards"][n]["prompts"] for n in names),
+               desc=f"features {split}", unit="prompt", disable=not progress)
+    for name in names:
+        if max_prompts is not None and taken >= max_prompts:
+            break
+        records = read_shard(corpus.directory / name)
+        if max_prompts is not None:
+            records = records[: max_prompts - taken]
+        taken += len(records)
+        stem = name.removesuffix(".safetensors")
+        for sub in range(0, len(records), batch_size):
+            path = directory / f"{stem}-{sub // batch_size:03d}.safetensors"
+            paths.append(path)
+            batch = records[sub:sub + batch_size]
+            if not path.exists():
+                shard = extract_features(model, [r.tokens for r in batch], [len(r.prompt) for r in batch], layers, top_k)
+                tmp = path.with_suffix(".tmp")
+                save_file({k: v.contiguous() for k, v in shard.items()}, tmp,
+                          metadata={"prompt_ids": json.dumps([r.prompt_id for r in batch])})
+                tmp.replace(path)
+            bar.update(len(batch))
+    bar.close()
+    return paths

@@ -17,7 +17,7 @@ import attrs
 from kangaroo_core.bench.api import BenchContext
 from kangaroo_core.interfaces import BenchMethod, MethodResult
 from kangaroo_core.bench.questions import Question, subtasks_in_order
-from kangaroo_core.errors import BenchError, UsageError
+from kangaroo_core.errors import UsageError
 from kangaroo_core.metrics import compression_rate, ctar, mean_drafted
 from kangaroo_core.plugins import get_registry
 

@@ -80,7 +80,8 @@ class KangarooDrafter(SelfDrafter):
         self.runner.reset()
 
     def advance(self, token_ids: Sequence[int], hidden: torch.Tensor) -> torch.Tensor:
-        return self.runner.advance(hidden, self.runner.length)  # [V]
+        # hidden holds positions start..len(token_ids)-1; the runner refuses a start that is not its cache length
+        return self.runner.advance(hidden, len(token_ids) - hidden.shape[0])  # [V]
 
     def crop(self, length: int) -> None:
         self.runner.crop(length)

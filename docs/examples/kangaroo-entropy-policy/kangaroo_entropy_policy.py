@@ -38,7 +38,8 @@ class EntropyPolicy(StoppingPolicy):
 
     @classmethod
     def create(cls, config: DecodeConfig, **options: Any) -> "EntropyPolicy":
-        # options come from Engine.build(policy_options={...}); this policy ignores eta/gamma in the config
+        # options come from --policy-option KEY=VALUE or Engine.build(policy_options={...}); a misspelled key raises
+        # TypeError here, which the engine reports in one line naming the valid options. eta/gamma are not used.
         return cls(**options)
 
     def keep_drafting(self, step: DraftStep) -> bool:

@@ -1,0 +1,124 @@
+"""The hybrid drafter: the context's n-gram continuation where one exists and has been accepted often enough, the
+Kangaroo adapter's draft otherwise.
+
+Drafts copied from the context cost nothing and are often right where the answer quotes its prompt (RAG,
+summarisation, code, multi-turn); the adapter covers everything else. The choice is made per position from measured
+acceptance: the drafter asks for the target's deep states (:meth:`~kangaroo_core.interfaces.SelfDrafter.observe_deep`),
+which the engine hands over for exactly the accepted positions after every round, so it knows which of its own
+proposals were accepted and which was the first rejected one. Per n-gram length it keeps an acceptance estimate
+``(accepted + 1) / (verified + 2)`` for lookup drafts; a lookup draft is proposed when that estimate beats the
+adapter's top-1 probability (or when both agree), and the policy sees the estimate as the draft's confidence.
+
+Lossless like every drafter: the target verifies every draft. Under sampled drafting the proposal is the returned
+distribution (mass ``c`` on the lookup token, the adapter's distribution scaled to ``1 - c`` elsewhere), which is
+what the engine draws from and hands to the speculative verifier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kangaroo_core.config import DecodeConfig
+from kangaroo_core.interfaces import Backend, SelfDrafter
+from kangaroo_plugins.kangaroo.drafter import KangarooDrafter
+
+
+def lookup(token_ids: Sequence[int], max_ngram: int, min_ngram: int) -> tuple[int, int] | None:
+    """(next token, n) after the most recent earlier occurrence of the longest suffix n-gram (n >= min_ngram)."""
+    tokens = list(token_ids)
+    for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n], n
+    return None
+
+
+class HybridDrafter(SelfDrafter):
+    """Prompt lookup + the Kangaroo adapter, chosen per position by measured acceptance.
+
+    Args:
+        adapter: as for the ``kangaroo`` drafter (None: the shipped adapter for this model and exit layer).
+        max_ngram / min_ngram: the suffix lengths looked up (longest first).
+        prior: the acceptance estimate of a lookup draft before any has been verified.
+    """
+
+    name = "kangaroo-hybrid"
+    wants_deep_states = True
+
+    def __init__(self, adapter: str | None = None, max_ngram: int = 4, min_ngram: int = 2, prior: float = 0.5):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        if not 0 < prior < 1:
+            raise ValueError(f"prior must be in (0, 1), got {prior!r}")
+        self.adapter = KangarooDrafter(adapter=adapter)
+        self.max_ngram, self.min_ngram, self.prior = max_ngram, min_ngram, prior
+        # per n-gram length: [accepted, verified] of lookup drafts (kept across generations: it is a measurement)
+        self.counts = {n: [0, 0] for n in range(min_ngram, max_ngram + 1)}
+        self.pending: dict[int, tuple[int, int]] = {}  # position -> (token, n) of lookup drafts not yet verified
+        self.sources = {"lookup": 0, "adapter": 0}
+
+    @classmethod
+    def create(cls, config: DecodeConfig, **options: Any) -> "HybridDrafter":
+        return cls(**options)
+
+    def bind(self, backend: Backend) -> None:
+        self.adapter.bind(backend)
+        self.resolved_adapter = self.adapter.resolved_adapter
+
+    @property
+    def seen(self) -> int:
+        return self.adapter.seen
+
+    def reset(self) -> None:
+        self.adapter.reset()
+        self.pending.clear()
+
+    def crop(self, length: int) -> None:
+        self.adapter.crop(length)
+
+    def estimate(self, n: int) -> float:
+        accepted, verified = self.counts[n]
+        return (accepted + 2 * self.prior) / (verified + 2)
+
+    def advance(self, token_ids: Sequence[int], hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.adapter.advance(token_ids, hidden)  # the adapter sees every position, whichever source wins
+        found = lookup(token_ids, self.max_ngram, self.min_ngram)
+        if found is None:
+            self.sources["adapter"] += 1
+            return logits
+        token, n = found
+        probs = torch.softmax(logits.double(), dim=-1)
+        confidence, top = probs.max(dim=-1)
+        c = self.estimate(n)
+        if int(top) != token and c <= float(confidence):
+            self.sources["adapter"] += 1
+            return logits
+        self.sources["lookup"] += 1
+        self.pending[len(token_ids)] = (token, n)
+        c = max(c, float(confidence)) if int(top) == token else c
+        rest = probs.clone()
+        rest[token] = 0.0
+        mass = float(rest.sum())
+        mixed = rest * ((1 - c) / mass) if mass > 0 else torch.full_like(probs, (1 - c) / (len(probs) - 1))
+        mixed[token] = c
+        return torch.log(mixed).to(logits.dtype)
+
+    def observe_deep(self, start: int, hidden: torch.Tensor) -> None:
+        """Positions ``start..start+m`` were accepted (x_n and m drafts): lookup drafts among ``start+1..start+m``
+        were accepted, one at ``start+m+1`` was the rejected draft; later ones were never on the target's path."""
+        end = start + hidden.shape[0]  # first position not accepted
+        for position in sorted(self.pending):
+            if position <= start:
+                del self.pending[position]
+                continue
+            token, n = self.pending.pop(position)
+            if position < end:
+                self.counts[n][0] += 1
+                self.counts[n][1] += 1
+            elif position == end:
+                self.counts[n][1] += 1
+            # position > end: proposed after a rejected draft, never verified on the path: no evidence
