@@ -217,17 +217,16 @@ class Engine:
             t0 = time.perf_counter()
 
             # 1. first early exit for x_n: its layer-l state starts this round's saved states.
-            h_last = backend.shallow(tokens[-1:], n)
-            saved = [h_last]
+            h_last = backend.shallow(tokens[-1:], n)  # [1, d]
             if drafter is not None:
                 unseen = torch.cat([unseen, h_last])
 
             # 2. draft_tokens: adapter + shared head, until the policy (second early exit) or gamma stops us.
-            drafts, unseen = self.draft_tokens(tokens, unseen, saved, max_drafts, generator)
+            drafts, h_drafts, unseen = self.draft_tokens(tokens, unseen, max_drafts, generator)
             t1 = time.perf_counter()
 
             # 3. target_logits: one pass of M[l:] over the saved layer-l states of x_n, d_1..d_k.
-            verified = backend.deep(torch.cat(saved), n)  # logits [k+1, V], hidden [k+1, d]
+            verified = backend.deep(torch.cat([h_last, *h_drafts]), n)  # logits [k+1, V], hidden [k+1, d]
             verdict: Verdict = self.verifier.verify(drafts, verified.logits)
             m = self._chain_length(verdict, len(drafts))
 
@@ -267,20 +266,20 @@ class Engine:
         self,
         tokens: list[int],
         unseen: torch.Tensor,
-        saved: list[torch.Tensor],
         max_drafts: int,
         generator: torch.Generator,
-    ) -> tuple[list[DraftStep], torch.Tensor]:
-        """Propose up to ``max_drafts`` tokens after ``tokens``; append each draft's layer-l state to ``saved``.
+    ) -> tuple[list[DraftStep], list[torch.Tensor], torch.Tensor]:
+        """Propose up to ``max_drafts`` tokens after ``tokens``.
 
         ``unseen``: the layer-l states of positions ``drafter.seen..len(tokens)-1``. Each draft is the drafter's
         top-1 (greedy drafting: q is a point mass), or, with ``SamplingConfig.sample_drafts`` at temperature > 0, a
-        draw from its processed distribution q. Returns the drafts and the states the drafter has still not seen
-        (h(d_k) after the last draft).
+        draw from its processed distribution q. Returns the drafts, their layer-l states (one [1, d] each, to be
+        verified) and the states the drafter has still not seen (h(d_k) after the last draft).
         """
         drafts: list[DraftStep] = []
+        states: list[torch.Tensor] = []
         if max_drafts == 0:
-            return drafts, unseen
+            return drafts, states, unseen
         self.policy.start_round(tokens)
         sampling = self.config.sampling
         sample_drafts = sampling.sample_drafts and not sampling.greedy
@@ -298,13 +297,13 @@ class Engine:
             # the draft's layer-l state: needed to verify it, and by the drafter if we continue
             h = self.backend.shallow([step.token], len(sequence))
             sequence.append(step.token)
-            saved.append(h)
+            states.append(h)
             unseen = h
             if step.token in self.backend.eos_token_ids:  # nothing after an EOS draft could ever be emitted
                 break
             if not self.policy.keep_drafting(step):
                 break
-        return drafts, unseen
+        return drafts, states, unseen
 
     @staticmethod
     def _chain_length(verdict: Verdict, drafted: int) -> int:

@@ -224,7 +224,7 @@ def train_adapter(backend, prompts_file: str | Path | None, work_dir: str | Path
     else:
         prompts = read_prompts(prompts_file, warn=log)  # a file without usable prompts is refused before anything is made
     work.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = backend.model, backend.tokenizer
+    model, tokenizer = backend.base_model(), backend.tokenizer
     torch.manual_seed(config.seed)
     timings = {}
 
@@ -266,7 +266,7 @@ def train_adapter(backend, prompts_file: str | Path | None, work_dir: str | Path
 
     # 3. train
     t0 = time.perf_counter()
-    head = model.lm_head
+    head = backend.shared_head()
     for p in model.parameters():
         p.requires_grad_(False)
     adapter = KangarooAdapter.from_base_layer(model, config.exit_layer, ffn=config.ffn, separate_head=config.separate_head)

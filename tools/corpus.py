@@ -300,7 +300,7 @@ def build(corpus: Corpus, engine, prompts_file: str | Path, settings: CorpusSett
         if split == "heldout":
             answers = engine_greedy_answers(engine, prompt_ids, settings.max_new_tokens)
         else:
-            answers = batched_greedy_answers(backend.model, prompt_ids, settings.max_new_tokens,
+            answers = batched_greedy_answers(backend.base_model(), prompt_ids, settings.max_new_tokens,
                                              backend.eos_token_ids, batch_size)
         seconds = time.perf_counter() - t0
         records = [Record(pid, p, a) for pid, p, a in zip(ids, prompt_ids, answers)]
