@@ -91,19 +91,19 @@ class HybridDrafter(SelfDrafter):
             self.sources["adapter"] += 1
             return logits
         token, n = found
-        probs = torch.softmax(logits.double(), dim=-1)
-        confidence, top = probs.max(dim=-1)
+        best, top = logits.max(dim=-1)
+        confidence = float(torch.exp(best - torch.logsumexp(logits, dim=-1)))  # the adapter's top-1 probability
         c = self.estimate(n)
-        if int(top) != token and c <= float(confidence):
+        if int(top) != token and c <= confidence:
             self.sources["adapter"] += 1
-            return logits
+            return logits  # the common case stays as cheap as the plain drafter
         self.sources["lookup"] += 1
         self.pending[len(token_ids)] = (token, n)
-        c = max(c, float(confidence)) if int(top) == token else c
-        rest = probs.clone()
+        c = max(c, confidence) if int(top) == token else c
+        rest = torch.softmax(logits.double(), dim=-1)
         rest[token] = 0.0
         mass = float(rest.sum())
-        mixed = rest * ((1 - c) / mass) if mass > 0 else torch.full_like(probs, (1 - c) / (len(probs) - 1))
+        mixed = rest * ((1 - c) / mass) if mass > 0 else torch.full_like(rest, (1 - c) / (len(rest) - 1))
         mixed[token] = c
         return torch.log(mixed).to(logits.dtype)
 
