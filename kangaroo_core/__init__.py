@@ -1,6 +1,6 @@
 """kangaroo: lossless self-speculative decoding with double early exiting.
 
-The core is small: value objects (:mod:`kangaroo_core.config`, :mod:`kangaroo_core.results`), the four abstract
+The core is small: value objects (:mod:`kangaroo_core.config`, :mod:`kangaroo_core.results`), the abstract
 extension points (:mod:`kangaroo_core.interfaces`), the pluggy hook specifications (:mod:`kangaroo_core.hookspecs`),
 the plugin loader (:mod:`kangaroo_core.plugins`) and the decode loop (:mod:`kangaroo_core.engine`).
 Every implementation, built-in or third-party, is a plugin found through the ``kangaroo`` entry-point group.

@@ -158,10 +158,10 @@ def _adapter_specs(text: str | None):
         path = Path(raw).expanduser()
         meta_path = path / "adapter.json"
         try:
-            meta = json.loads(meta_path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+            meta = json.loads(meta_path.read_bytes().decode("utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise BenchError(f"--adapters: cannot read {meta_path}: {exc}") from None
-        if not isinstance(meta.get("exit_layer"), int):
+        if not isinstance(meta, dict) or not isinstance(meta.get("exit_layer"), int):
             raise BenchError(f"--adapters: {meta_path} has no integer exit_layer")
         name = path.name or str(path)
         label = f"kangaroo[adapter={name}]"
@@ -252,7 +252,7 @@ def bench(questions_file, out_dir, methods, limit_per_subtask, repeats, no_warmu
         raise UsageError(f"--baseline {baseline!r} is not one of the measured methods: {', '.join(s.label for s in specs)}")
     backend_obj = opts.backend(config)
     context = BenchContext(backend_obj, config, drafter=opts.drafter, policy=opts.policy, verifier=opts.verifier,
-                           adapter=opts.adapter, policy_options=options)
+                           adapter=opts.adapter, policy_options=options, drafter_options=opts.parsed_drafter_options())
     run = run_bench(context, build_methods(specs, context), questions, max_new_tokens=max_new_tokens, repeats=repeats,
                     warmup=not no_warmup, progress=not no_progress)
     summary = summarize(run, baseline)
@@ -447,7 +447,7 @@ def export_onnx_command(out, model, exit_layer, threads, adapter, opset, toleran
         _eprint(f"[{graph}] {entry['file']}: max |onnx - eager| {check['max_abs_diff']:.2e} (tolerance {check['tolerance']:.2e})")
     if adapter != "none":  # the drafter exports its own graph into the bundle, as it does on first use
         opts = EngineOptions(model=model, exit_layer=exit_layer, threads=threads, backend_name="onnx", onnx_dir=out,
-                             adapter=adapter)
+                             adapter=adapter, drafter_options=(f"onnx_opset={opset}", f"onnx_tolerance={tolerance}"))
         engine = opts.engine(backend=_resolve_onnx(opts, backend))
         _eprint(f"[adapter] {engine.drafter.resolved_adapter or 'untrained'} exported into {out}/drafters")
     click.echo(out)

@@ -51,6 +51,8 @@ def _resolve(kind: str, piece: Any, config: DecodeConfig, options: dict | None):
     try:
         return factory.create(config, **(options or {}))
     except TypeError as exc:
+        if "argument" not in str(exc):  # a bug inside the plugin, not a bad option: keep its traceback
+            raise
         raise ConfigError(f"{kind} '{piece}': {exc}; valid options: {option_names(factory)}") from None
     except ValueError as exc:
         if isinstance(exc, ConfigError):
@@ -201,7 +203,8 @@ class Engine:
         h_prompt = backend.shallow(tokens, 0)
         prefill = backend.deep(h_prompt, 0, rows=[len(tokens) - 1])
         first = self.verifier.verify([], prefill.logits)
-        self._observe_deep(0, prefill.hidden)
+        if drafter is not None and drafter.wants_deep_states:
+            drafter.observe_deep(0, prefill.hidden)
         unseen = h_prompt  # layer-l states of positions drafter.seen.. that the drafter has not consumed yet
         output = [first.next_token]
         busy += time.perf_counter() - resumed
@@ -242,7 +245,8 @@ class Engine:
             accepted_len = n + 1 + m
             backend.crop(accepted_len)
             unseen = self._rollback_drafter(unseen, accepted_len)
-            self._observe_deep(n, verified.hidden[: m + 1])
+            if drafter is not None and drafter.wants_deep_states:
+                drafter.observe_deep(n, verified.hidden[: m + 1])
             t2 = time.perf_counter()
 
             output.extend(emitted)
@@ -323,11 +327,6 @@ class Engine:
             self.drafter.crop(accepted_len)
             return unseen[:0]
         return unseen[: accepted_len - seen]
-
-    def _observe_deep(self, start: int, hidden: torch.Tensor) -> None:
-        """Hand the deep states of newly accepted positions to a drafter that asked for them."""
-        if self.drafter is not None and self.drafter.wants_deep_states:
-            self.drafter.observe_deep(start, hidden)
 
 
 class TextStream(Iterator[str]):

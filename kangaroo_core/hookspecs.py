@@ -48,7 +48,7 @@ def register_drafters(register):
     of positions ``seen..len(token_ids)-1``; ``crop`` after rejected drafts) and, with ``wants_deep_states = True``,
     receives the target's final hidden states of every accepted position through ``observe_deep(start, hidden)``
     (computed by verification anyway: no extra pass). Selected with ``--drafter NAME`` and options with
-    ``--drafter-option KEY=VALUE`` (built-in: ``kangaroo``).
+    ``--drafter-option KEY=VALUE`` (built-in: ``kangaroo``, ``kangaroo-hybrid``).
     """
 
 
@@ -83,5 +83,6 @@ def register_bench_methods(register):
     the same backend), then ``run(messages, max_new_tokens)`` per question turn, returning a
     :class:`kangaroo_core.interfaces.MethodResult` (token ids, seconds, round statistics when it has them).
     Selected with ``kangaroo bench --methods NAME,...`` (every registered method by default; built-in:
-    ``hf_vanilla``, ``hf_prompt_lookup``, ``hf_early_exit``, ``vanilla``, ``kangaroo``).
+    ``hf_vanilla``, ``hf_prompt_lookup``, ``hf_early_exit``, ``vanilla``, ``kangaroo``, ``kangaroo_hybrid``; with the
+    ``[onnx]`` extra ``ort_vanilla``, ``vanilla_onnx``, ``kangaroo_onnx``).
     """

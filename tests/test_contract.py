@@ -381,3 +381,41 @@ def test_onnx_backend_keeps_positions_and_returns_deep_states_like_torch(tmp_pat
     assert o_len == e_len == (5, 5)
     assert o1.logits.shape == (1, 64) and torch.allclose(o1.logits, e1.logits, atol=1e-4)
     assert torch.allclose(o1.hidden, e1.hidden, atol=1e-4) and torch.allclose(o2.logits, e2.logits, atol=1e-4)
+
+
+def test_bench_context_forwards_drafter_options_and_the_hybrid_measures_only_greedy_drafts(tiny_model_dir):
+    from kangaroo_core.bench.api import BenchContext
+    from kangaroo_core.cli_options import EngineOptions
+    from kangaroo_core.config import SamplingConfig
+    from kangaroo_plugins.kangaroo.hybrid import HybridDrafter
+
+    opts = EngineOptions(model=str(tiny_model_dir))
+    context = BenchContext(opts.backend(), opts.config(), drafter="kangaroo-hybrid",
+                           drafter_options={"prior": 0.9, "adapter": "untrained"})
+    drafter = context.engine().drafter
+    assert isinstance(drafter, HybridDrafter) and drafter.prior == 0.9 and drafter.measure
+    sampled = DecodeConfig(sampling=SamplingConfig(temperature=0.7, sample_drafts=True))
+    assert not HybridDrafter.create(sampled).measure  # a drawn draft may not be the lookup token: not evidence
+
+
+def test_the_exact_replay_refuses_drafters_that_read_deep_states():
+    from kangaroo_core.errors import KangarooError
+    from kangaroo_plugins.kangaroo.hybrid import HybridDrafter
+    from kangaroo_tools.replay import replay_answer
+
+    model = tiny_llama(1)
+    backend = tiny_backend(model)
+    drafter = HybridDrafter(adapter="untrained")
+    drafter.bind(backend)
+    with pytest.raises(KangarooError, match="does not model drafters that read the target's deep states"):
+        replay_answer(backend, drafter, "qa", [1, 2, 3], [4, 5, 6], gamma=3, max_new_tokens=3)
+
+
+def test_export_onnx_passes_opset_and_tolerance_to_the_adapter_graph(tiny_model_dir, tmp_path, capsys):
+    pytest.importorskip("onnxruntime")
+    out = tmp_path / "bundle"
+    assert main(["export-onnx", "--out", str(out), "--model", str(tiny_model_dir), "--opset", "16"]) == 0, \
+        capsys.readouterr().err
+    (graph,) = (out / "drafters" / "kangaroo").iterdir()
+    manifest = json.loads((graph / "adapter_manifest.json").read_text())
+    assert manifest["opset"] == 16 and json.loads((out / "manifest.json").read_text())["opset"] == 16

@@ -178,8 +178,10 @@ def test_trained_adapter_is_exported_with_the_backend_and_drafts_the_same(tmp_pa
         calls = []
         real_key = runners.adapter_key
         mp.setattr(runners, "adapter_key", lambda path: calls.append(path) or real_key(path))
+        again = kangaroo_engine(backend, exit_layer, 0.0, 4, KangarooDrafter(adapter=path))  # binds: hashes once
+        again.generate_ids([3, 4, 5], 24)
         got, want = onnx.generate_ids([3, 4, 5], 24), eager.generate_ids([3, 4, 5], 24)
-        assert calls == []  # the adapter is hashed once, when the drafter binds: never per generation or token
+        assert calls == [path]  # the adapter is hashed when a drafter binds: never per generation or token
     assert got.token_ids == want.token_ids
     assert [(r.drafted, r.accepted) for r in got.rounds] == [(r.drafted, r.accepted) for r in want.rounds]
     (export,) = (tmp_path / "cache" / "onnx" / "v2").iterdir()

@@ -123,9 +123,9 @@ class Corpus:
         if not self.exists():
             raise CorpusError(f"{self.directory} is not a kangaroo corpus (no {MANIFEST}); build one with `kangaroo corpus build`")
         try:
-            manifest = json.loads(self.manifest_path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise CorpusError(f"{self.manifest_path} is not valid JSON: {exc}") from None
+            manifest = json.loads(self.manifest_path.read_bytes().decode("utf-8"))
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise CorpusError(f"{self.manifest_path} is not valid UTF-8 JSON: {exc}") from None
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
             raise CorpusError(f"{self.manifest_path}: not a {FORMAT} v{FORMAT_VERSION} manifest")
         if not isinstance(manifest.get("shards"), dict) or not isinstance(manifest.get("base_model_fingerprint"), str):
@@ -187,6 +187,9 @@ class Corpus:
                "settings": manifest["settings"]}
         for split in SPLITS:
             entries = [e for n, e in manifest["shards"].items() if n.startswith(f"{split}-")]
+            if not all(isinstance(e, dict) and {"prompts", "prompt_tokens", "answer_tokens", "seconds"} <= set(e)
+                       for e in entries):
+                raise CorpusError(f"{self.manifest_path}: a {split} shard entry lacks its counts")
             out[split] = {"shards": len(entries), "prompts": sum(e["prompts"] for e in entries),
                           "prompt_tokens": sum(e["prompt_tokens"] for e in entries),
                           "answer_tokens": sum(e["answer_tokens"] for e in entries),

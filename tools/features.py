@@ -22,6 +22,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
@@ -42,23 +43,12 @@ def split_prompts(prompts: Sequence[Prompt], count: int, heldout: int, seed: int
     return order[heldout: heldout + count], order[:heldout]
 
 
-@torch.inference_mode()
 def generate_answers(model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int, eos_ids: set[int]) -> list[list[int]]:
-    """Greedy answers of the target for a batch of prompts (left-padded batch generate); each cut after EOS."""
-    pad = next(iter(eos_ids)) if eos_ids else 0
-    width = max(map(len, prompt_ids))
-    ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, seq in enumerate(prompt_ids):
-        ids[row, width - len(seq):] = torch.tensor(seq)
-        mask[row, width - len(seq):] = 1
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                         pad_token_id=pad, eos_token_id=sorted(eos_ids) or None)
-    answers = []
-    for row in out[:, width:].tolist():
-        cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
-        answers.append(row[:cut])
-    return answers
+    """Greedy answers of the target for a batch of prompts: the corpus generator (length-sorted batched generate),
+    one batch; each cut after EOS."""
+    from kangaroo_tools.corpus import batched_greedy_answers
+
+    return batched_greedy_answers(model, prompt_ids, max_new_tokens, frozenset(eos_ids), max(1, len(prompt_ids)))
 
 
 @torch.inference_mode()
@@ -135,7 +125,10 @@ def build_shards(model, tokenizer, prompts: Sequence[Prompt], directory: Path, s
 def load_shards(paths: Sequence[Path], layer: int) -> Iterator[dict]:
     """Per-sequence records (unpadded) for one exit layer: ids, prompt_length, hidden [n, d], topk ids/logprobs."""
     for path in paths:
-        shard = load_file(path)
+        try:
+            shard = load_file(path)
+        except (SafetensorError, OSError) as exc:
+            raise KangarooError(f"feature shard {path} is damaged ({exc}); delete it to recompute it") from None
         key = f"hidden_l{layer}"
         if key not in shard:
             raise KangarooError(f"{path} has no layer-{layer} states (recorded: {sorted(k for k in shard if k.startswith('hidden_l'))})")

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from kangaroo_core.errors import KangarooError
 from kangaroo_core.interfaces import Backend, SelfDrafter, StoppingPolicy
 from kangaroo_core.results import DraftStep, RoundResult
 
@@ -65,6 +66,9 @@ def _step(logits: torch.Tensor | None) -> DraftStep | None:
 def replay_answer(backend: Backend, drafter: SelfDrafter, subtask: str, prompt_ids: Sequence[int],
                   answer: Sequence[int], *, gamma: int, max_new_tokens: int) -> Answer:
     """Walk the answer once with the true prefix (teacher forcing) and branch off at every wrong draft."""
+    if drafter.wants_deep_states:
+        raise KangarooError(f"the exact replay does not model drafters that read the target's deep states "
+                            f"('{drafter.name}'): its drafts depend on which earlier drafts were accepted")
     prompt, answer = list(prompt_ids), list(answer)
     eos = frozenset(backend.eos_token_ids)
     tokens = prompt + answer

@@ -38,10 +38,11 @@ class BenchContext:
 
     def __init__(self, backend: "Backend", config: "DecodeConfig", *, drafter: str = "kangaroo",
                  policy: str = "threshold", verifier: str = "auto", adapter: str | None = None,
-                 policy_options: dict[str, Any] | None = None):
+                 policy_options: dict[str, Any] | None = None, drafter_options: dict[str, Any] | None = None):
         self.backend, self.config = backend, config
         self.drafter, self.policy, self.verifier, self.adapter = drafter, policy, verifier, adapter
         self.policy_options = dict(policy_options or {})
+        self.drafter_options = dict(drafter_options or {})
         self._backends = {backend.exit_layer: backend}
         self._encoder: "Engine | None" = None
 
@@ -92,7 +93,8 @@ class BenchContext:
             policy, policy_options = self.policy, self.policy_options if policy_options is None else policy_options
         return Engine.build(config=config, backend=backend or self.backend_at(config.exit_layer), drafter=drafter,
                             policy=policy, verifier=verifier or self.verifier, adapter=adapter,
-                            policy_options=policy_options or None)
+                            policy_options=policy_options or None,
+                            drafter_options=dict(self.drafter_options) if isinstance(drafter, str) else None)
 
 
 def trim(tokens: Sequence[int], eos: frozenset[int], max_new_tokens: int) -> list[int]:

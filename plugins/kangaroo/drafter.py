@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from kangaroo_core.config import DecodeConfig
+from kangaroo_backends.onnx_export import DEFAULT_OPSET, DEFAULT_TOLERANCE
 from kangaroo_core.errors import KangarooError
 from kangaroo_core.interfaces import Backend, DraftRunner, SelfDrafter
 from kangaroo_plugins.kangaroo.adapter import METADATA_FILE, KangarooAdapter
@@ -34,6 +33,7 @@ class KangarooDrafter(SelfDrafter):
     :mod:`kangaroo_plugins.kangaroo.runners`): the drafting logic is the same on torch and onnxruntime.
 
     Args:
+        onnx_opset / onnx_tolerance: how its adapter graph is exported and validated on an onnxruntime backend.
         adapter: an adapter directory (``adapter.safetensors`` + ``adapter.json``); None for the shipped adapter of
             this base model and exit layer when there is one (else an untrained adapter); ``"untrained"`` for an
             adapter initialised from layer l's attention (output stays lossless, acceptance is low).
@@ -41,13 +41,11 @@ class KangarooDrafter(SelfDrafter):
 
     name = "kangaroo"
 
-    def __init__(self, adapter: str | None = None):
+    def __init__(self, adapter: str | None = None, onnx_opset: int = DEFAULT_OPSET,
+                 onnx_tolerance: float = DEFAULT_TOLERANCE):
         self.adapter_path = adapter
+        self.onnx_export = {"opset": int(onnx_opset), "tolerance": float(onnx_tolerance)}  # its graph, on onnxruntime
         self.runner: DraftRunner | None = None
-
-    @classmethod
-    def create(cls, config: DecodeConfig, **options: Any) -> "KangarooDrafter":
-        return cls(**options)
 
     def resolve_adapter(self, backend: Backend) -> str | None:
         """The adapter directory to load for ``backend`` (None: an untrained adapter)."""
@@ -70,7 +68,7 @@ class KangarooDrafter(SelfDrafter):
             adapter = KangarooAdapter.load(self.resolved_adapter, model, base_fingerprint=backend.fingerprint,
                                            exit_layer=backend.exit_layer)
         self.adapter = adapter.eval()
-        self.runner = make_runner(backend, self.adapter, self.resolved_adapter)
+        self.runner = make_runner(backend, self.adapter, self.resolved_adapter, **self.onnx_export)
 
     @property
     def seen(self) -> int:

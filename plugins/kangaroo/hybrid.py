@@ -44,26 +44,34 @@ class HybridDrafter(SelfDrafter):
         adapter: as for the ``kangaroo`` drafter (None: the shipped adapter for this model and exit layer).
         max_ngram / min_ngram: the suffix lengths looked up (longest first).
         prior: the acceptance estimate of a lookup draft before any has been verified.
+        carry_over: keep the acceptance counts from one generation to the next (a server learning its traffic).
+            Off by default, so that a generation depends only on its own prompt (and seed).
+
+    The counts are measured under greedy drafting only: under sampled drafting the token drawn from the returned
+    distribution need not be the lookup token, and the drafter cannot tell, so the estimates stay at ``prior``.
     """
 
     name = "kangaroo-hybrid"
     wants_deep_states = True
 
-    def __init__(self, adapter: str | None = None, max_ngram: int = 4, min_ngram: int = 2, prior: float = 0.5):
+    def __init__(self, adapter: str | None = None, max_ngram: int = 4, min_ngram: int = 2, prior: float = 0.5,
+                 carry_over: bool = False, measure: bool = True):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         if not 0 < prior < 1:
             raise ValueError(f"prior must be in (0, 1), got {prior!r}")
         self.adapter = KangarooDrafter(adapter=adapter)
         self.max_ngram, self.min_ngram, self.prior = max_ngram, min_ngram, prior
-        # per n-gram length: [accepted, verified] of lookup drafts (kept across generations: it is a measurement)
+        self.carry_over, self.measure = bool(carry_over), bool(measure)
+        # per n-gram length: [accepted, verified] of lookup drafts
         self.counts = {n: [0, 0] for n in range(min_ngram, max_ngram + 1)}
         self.pending: dict[int, tuple[int, int]] = {}  # position -> (token, n) of lookup drafts not yet verified
         self.sources = {"lookup": 0, "adapter": 0}
 
     @classmethod
     def create(cls, config: DecodeConfig, **options: Any) -> "HybridDrafter":
-        return cls(**options)
+        sampled = config.sampling.sample_drafts and not config.sampling.greedy
+        return cls(**{"measure": not sampled, **options})
 
     def bind(self, backend: Backend) -> None:
         self.adapter.bind(backend)
@@ -76,6 +84,8 @@ class HybridDrafter(SelfDrafter):
     def reset(self) -> None:
         self.adapter.reset()
         self.pending.clear()
+        if not self.carry_over:
+            self.counts = {n: [0, 0] for n in self.counts}
 
     def crop(self, length: int) -> None:
         self.adapter.crop(length)
@@ -98,7 +108,8 @@ class HybridDrafter(SelfDrafter):
             self.sources["adapter"] += 1
             return logits  # the common case stays as cheap as the plain drafter
         self.sources["lookup"] += 1
-        self.pending[len(token_ids)] = (token, n)
+        if self.measure:
+            self.pending[len(token_ids)] = (token, n)
         c = max(c, confidence) if int(top) == token else c
         rest = torch.softmax(logits.double(), dim=-1)
         rest[token] = 0.0

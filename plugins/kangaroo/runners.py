@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kangaroo_core.errors import KangarooError
+from kangaroo_core.errors import KangarooError, OnnxExportError
 from kangaroo_core.interfaces import Backend, DraftRunner
 from kangaroo_plugins.kangaroo.adapter import KangarooAdapter, adapter_key
 
@@ -48,15 +48,21 @@ class OnnxAdapterRunner(DraftRunner):
     """The exported adapter graph (see :mod:`kangaroo_plugins.kangaroo.onnx_graph`) on the backend's onnxruntime;
     exported once per (base model, exit layer, adapter) into the backend's artefact directory."""
 
-    def __init__(self, backend: Backend, adapter: KangarooAdapter, adapter_path: str | None):
+    def __init__(self, backend: Backend, adapter: KangarooAdapter, adapter_path: str | None, *, opset: int,
+                 tolerance: float):
         from kangaroo_plugins.kangaroo.onnx_graph import (GRAPH_FILE, INPUTS, MANIFEST, OUTPUTS, export_adapter_graph,
                                                           read_adapter_manifest)
 
         key = adapter_key(adapter_path)
         directory = backend.artifact_dir() / "kangaroo" / f"l{backend.exit_layer}-{key}"
         if not (directory / MANIFEST).is_file():
-            export_adapter_graph(adapter, backend.shared_head(), directory, fingerprint=backend.fingerprint,
-                                 exit_layer=backend.exit_layer, key=key, quiet=getattr(backend, "quiet", False))
+            try:
+                export_adapter_graph(adapter, backend.shared_head(), directory, fingerprint=backend.fingerprint,
+                                     exit_layer=backend.exit_layer, key=key, opset=opset, tolerance=tolerance,
+                                     quiet=getattr(backend, "quiet", False))
+            except OSError as exc:  # e.g. a read-only bundle exported without this adapter
+                raise OnnxExportError(f"cannot export the adapter graph into {directory}: {exc}; export the bundle "
+                                      f"with this adapter (`kangaroo export-onnx --adapter DIR`)") from None
         read_adapter_manifest(directory, fingerprint=backend.fingerprint, exit_layer=backend.exit_layer, key=key)
         self.graph = backend.open_graph(directory / GRAPH_FILE, INPUTS, OUTPUTS, kv_layers=1)
         self.hidden_size, self.vocab_size, self.device = backend.hidden_size, backend.vocab_size, backend.device
@@ -78,11 +84,12 @@ class OnnxAdapterRunner(DraftRunner):
         return logits[0]
 
 
-def make_runner(backend: Backend, adapter: KangarooAdapter, adapter_path: str | None) -> DraftRunner:
+def make_runner(backend: Backend, adapter: KangarooAdapter, adapter_path: str | None, *, opset: int,
+                tolerance: float) -> DraftRunner:
     """The runner for ``backend.runtime``; a one-line error for a runtime the drafter cannot run on."""
     if backend.runtime == "torch":
         return TorchAdapterRunner(adapter, backend.shared_head())
     if backend.runtime == "onnxruntime":
-        return OnnxAdapterRunner(backend, adapter, adapter_path)
+        return OnnxAdapterRunner(backend, adapter, adapter_path, opset=opset, tolerance=tolerance)
     raise KangarooError(f"the kangaroo drafter runs on the torch or onnxruntime runtimes, not on the '{backend.name}' "
                         f"backend's runtime '{backend.runtime}'")
