@@ -17,7 +17,6 @@ onnxruntime is imported lazily: the rest of kangaroo works without it, and this 
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +30,7 @@ from kangaroo_backends.onnx_export import FORMAT, FORMAT_VERSION, GRAPHS, MANIFE
 from kangaroo_backends.torch_eager import check_start, describe_split_model
 from kangaroo_core.config import ConfigError, DecodeConfig
 from kangaroo_core.errors import OnnxModelError, ProviderError
+from kangaroo_core.files import read_json
 from kangaroo_core.hookspecs import hookimpl
 from kangaroo_core.interfaces import Backend, DeepOutput
 
@@ -57,14 +57,6 @@ MANIFEST_TYPES = {"base_model_fingerprint": str, "exit_layer": int, "num_layers"
                   "graphs": dict}
 
 
-def read_json_file(path: Path, error: type[Exception]) -> Any:
-    """Parse a JSON file; unreadable, non-UTF-8 or malformed content is one ``error`` line."""
-    try:
-        return json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise error(f"{path} is not valid UTF-8 JSON: {exc}") from None
-
-
 def graph_file(directory: Path, manifest: dict, name: str, manifest_path: Path) -> Path:
     """The file of graph ``name`` named by the manifest, which must stay inside the export's directory."""
     entry = manifest["graphs"].get(name)
@@ -81,7 +73,7 @@ def read_manifest(directory: Path, *, fingerprint: str, exit_layer: int) -> dict
     path = Path(directory) / MANIFEST
     if not path.is_file():
         raise OnnxModelError(f"{directory} is not a kangaroo ONNX export (no {MANIFEST}); export one with `kangaroo export-onnx`")
-    manifest = read_json_file(path, OnnxModelError)
+    manifest = read_json(path, OnnxModelError)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
         version = manifest.get("format_version") if isinstance(manifest, dict) else None
         raise OnnxModelError(f"{path}: not a {FORMAT} v{FORMAT_VERSION} manifest (format version {version!r}); "

@@ -152,15 +152,13 @@ def _adapter_specs(text: str | None):
 
     from kangaroo_core.bench.harness import MethodSpec
     from kangaroo_core.errors import BenchError
+    from kangaroo_core.files import read_json
 
     specs, points = [], []
     for raw in [x.strip() for x in (text or "").split(",") if x.strip()]:
         path = Path(raw).expanduser()
         meta_path = path / "adapter.json"
-        try:
-            meta = json.loads(meta_path.read_bytes().decode("utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise BenchError(f"--adapters: cannot read {meta_path}: {exc}") from None
+        meta = read_json(meta_path, BenchError, f"--adapters: {meta_path}")
         if not isinstance(meta, dict) or not isinstance(meta.get("exit_layer"), int):
             raise BenchError(f"--adapters: {meta_path} has no integer exit_layer")
         name = path.name or str(path)

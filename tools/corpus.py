@@ -44,6 +44,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from kangaroo_core.errors import KangarooError
+from kangaroo_core.files import read_json
 
 FORMAT = "kangaroo-corpus"
 FORMAT_VERSION = 1
@@ -122,10 +123,7 @@ class Corpus:
     def manifest(self) -> dict:
         if not self.exists():
             raise CorpusError(f"{self.directory} is not a kangaroo corpus (no {MANIFEST}); build one with `kangaroo corpus build`")
-        try:
-            manifest = json.loads(self.manifest_path.read_bytes().decode("utf-8"))
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise CorpusError(f"{self.manifest_path} is not valid UTF-8 JSON: {exc}") from None
+        manifest = read_json(self.manifest_path, CorpusError)
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
             raise CorpusError(f"{self.manifest_path}: not a {FORMAT} v{FORMAT_VERSION} manifest")
         if not isinstance(manifest.get("shards"), dict) or not isinstance(manifest.get("base_model_fingerprint"), str):

@@ -22,6 +22,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, L
 from kangaroo_backends.kv_cache import KVCache, causal_mask
 from kangaroo_core import __version__
 from kangaroo_core.errors import AdapterMismatchError
+from kangaroo_core.files import read_json
 
 FORMAT = "kangaroo-adapter"
 FORMAT_VERSION = 1
@@ -201,10 +202,7 @@ class KangarooAdapter(nn.Module):
         meta_path, weights_path = directory / METADATA_FILE, directory / WEIGHTS_FILE
         if not meta_path.is_file() or not weights_path.is_file():
             raise AdapterMismatchError(f"{directory} is not an adapter directory (needs {METADATA_FILE} and {WEIGHTS_FILE})")
-        try:
-            meta = json.loads(meta_path.read_bytes().decode("utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise AdapterMismatchError(f"{meta_path} is not valid UTF-8 JSON: {exc}") from None
+        meta = read_json(meta_path, AdapterMismatchError)
         if not isinstance(meta, dict):
             raise AdapterMismatchError(f"{meta_path} must hold a JSON object, not a {type(meta).__name__}")
         if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:

@@ -22,6 +22,7 @@ from kangaroo_backends.onnx_export import (DEFAULT_OPSET, DEFAULT_TOLERANCE, Att
                                            check_tolerance, dynamic_axes, export_graph, kv_names, torch_kv,
                                            validate_outputs, versions)
 from kangaroo_core.errors import OnnxExportError, OnnxModelError
+from kangaroo_core.files import read_json
 
 FORMAT = "kangaroo-onnx-adapter"
 FORMAT_VERSION = 1
@@ -101,10 +102,7 @@ def export_adapter_graph(adapter, shared_head, out_dir: Path, *, fingerprint: st
 def read_adapter_manifest(directory: Path, *, fingerprint: str, exit_layer: int, key: str) -> dict[str, Any]:
     """The adapter graph's manifest, checked against the loaded model, exit layer and adapter."""
     path = directory / MANIFEST
-    try:
-        manifest = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise OnnxModelError(f"{path} is not valid UTF-8 JSON: {exc}") from None
+    manifest = read_json(path, OnnxModelError)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
         raise OnnxModelError(f"{path}: not a {FORMAT} v{FORMAT_VERSION} manifest; delete {directory} to re-export")
     expected = {"base_model_fingerprint": fingerprint, "exit_layer": exit_layer, "adapter": key, "file": GRAPH_FILE}

@@ -9,14 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from kangaroo_backends.torch_eager import check_start
 from kangaroo_core.errors import KangarooError, OnnxExportError
 from kangaroo_core.interfaces import Backend, DraftRunner
 from kangaroo_plugins.kangaroo.adapter import KangarooAdapter, adapter_key
-
-
-def _check(start: int, length: int) -> None:
-    if start != length:
-        raise RuntimeError(f"adapter cache holds {length} positions, the drafter asked to write at {start}")
 
 
 class TorchAdapterRunner(DraftRunner):
@@ -39,7 +35,7 @@ class TorchAdapterRunner(DraftRunner):
 
     @torch.inference_mode()
     def advance(self, hidden: torch.Tensor, start: int) -> torch.Tensor:
-        _check(start, self.length)
+        check_start("adapter", start, self.length)
         out = self.adapter(hidden[None], start, self.cache)  # [1, n, d]
         return self.head(out[0, -1])  # [V]
 
@@ -78,7 +74,7 @@ class OnnxAdapterRunner(DraftRunner):
         self.graph.crop(length)
 
     def advance(self, hidden: torch.Tensor, start: int) -> torch.Tensor:
-        _check(start, self.length)
+        check_start("adapter", start, self.length)
         x = hidden.to(device=self.device, dtype=torch.float32)[None].contiguous()
         logits, _ = self.graph.run(x, [(1, self.vocab_size), (1, x.shape[1], self.hidden_size)])
         return logits[0]
