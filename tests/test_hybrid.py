@@ -55,3 +55,19 @@ def test_hybrid_learns_from_the_engine_and_matches_the_target_greedy_and_sampled
     probs = torch.softmax(logits.double(), -1)
     assert float(probs.sum()) == pytest.approx(1.0) and int(probs.argmax()) == token
     assert float(probs[token]) >= drafter.estimate(n) - 1e-9
+
+
+def test_the_incremental_ngram_index_answers_like_the_scan_through_growth_and_rollback():
+    import random
+
+    from kangaroo_plugins.kangaroo.hybrid import NgramIndex
+
+    rng = random.Random(0)
+    index = NgramIndex(2, 4)
+    sequence: list[int] = []
+    for step in range(400):
+        if sequence and rng.random() < 0.3:  # a rollback after rejected drafts
+            del sequence[rng.randrange(len(sequence)):]
+        sequence += [rng.randrange(5) for _ in range(rng.randrange(1, 4))]
+        index.sync(sequence)
+        assert index.lookup() == lookup(sequence, 4, 2), step

@@ -37,6 +37,48 @@ def lookup(token_ids: Sequence[int], max_ngram: int, min_ngram: int) -> tuple[in
     return None
 
 
+class NgramIndex:
+    """Where each n-gram (n = min_n..max_n) of a sequence occurred, kept in step with the drafter's sequence as it
+    grows and is rolled back, so a lookup costs O(max_n) instead of a scan of the whole sequence per draft step.
+
+    ``positions[ngram]`` lists, ascending, the starts of the occurrences whose next token is known.
+    """
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        self.tokens: list[int] = []
+        self.positions: dict[tuple[int, ...], list[int]] = {}
+
+    def sync(self, token_ids: Sequence[int]) -> None:
+        """Make the index describe ``token_ids`` (drop what was rolled back, add what is new)."""
+        common = 0
+        limit = min(len(self.tokens), len(token_ids))
+        while common < limit and self.tokens[common] == token_ids[common]:
+            common += 1
+        for i in range(len(self.tokens) - 1, common - 1, -1):  # undo, latest first: entries are appended in order
+            for n in range(self.min_n, self.max_n + 1):
+                if i - n >= 0:
+                    key = tuple(self.tokens[i - n:i])
+                    starts = self.positions[key]
+                    starts.pop()
+                    if not starts:
+                        del self.positions[key]
+        del self.tokens[common:]
+        for i in range(common, len(token_ids)):
+            for n in range(self.min_n, self.max_n + 1):
+                if i - n >= 0:  # the n-gram ending just before token i is now followed by a known token
+                    self.positions.setdefault(tuple(self.tokens[i - n:i]), []).append(i - n)
+            self.tokens.append(int(token_ids[i]))
+
+    def lookup(self) -> tuple[int, int] | None:
+        """(next token, n) after the latest earlier occurrence of the longest suffix n-gram, as :func:`lookup`."""
+        for n in range(min(self.max_n, len(self.tokens) - 1), self.min_n - 1, -1):
+            starts = self.positions.get(tuple(self.tokens[-n:]))
+            if starts:
+                return self.tokens[starts[-1] + n], n
+        return None
+
+
 class HybridDrafter(SelfDrafter):
     """Prompt lookup + the Kangaroo adapter, chosen per position by measured acceptance.
 
@@ -66,6 +108,7 @@ class HybridDrafter(SelfDrafter):
         # per n-gram length: [accepted, verified] of lookup drafts
         self.counts = {n: [0, 0] for n in range(min_ngram, max_ngram + 1)}
         self.pending: dict[int, tuple[int, int]] = {}  # position -> (token, n) of lookup drafts not yet verified
+        self.index = NgramIndex(min_ngram, max_ngram)
         self.sources = {"lookup": 0, "adapter": 0}
 
     @classmethod
@@ -84,6 +127,7 @@ class HybridDrafter(SelfDrafter):
     def reset(self) -> None:
         self.adapter.reset()
         self.pending.clear()
+        self.index = NgramIndex(self.min_ngram, self.max_ngram)
         if not self.carry_over:
             self.counts = {n: [0, 0] for n in self.counts}
 
@@ -96,7 +140,8 @@ class HybridDrafter(SelfDrafter):
 
     def advance(self, token_ids: Sequence[int], hidden: torch.Tensor) -> torch.Tensor:
         logits = self.adapter.advance(token_ids, hidden)  # the adapter sees every position, whichever source wins
-        found = lookup(token_ids, self.max_ngram, self.min_ngram)
+        self.index.sync(token_ids)
+        found = self.index.lookup()
         if found is None:
             self.sources["adapter"] += 1
             return logits
