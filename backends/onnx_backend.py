@@ -156,11 +156,20 @@ class GraphRunner:
             name, self.device_type, self.device_id, dtype, tuple(tensor.shape), tensor.data_ptr()
         )
 
-    def run(self, first: torch.Tensor, out_shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
-        """Feed ``first`` ([1, n] ids or [1, n, d] states) at the next n positions; return the non-KV outputs."""
+    def run(self, first: torch.Tensor, out_shapes: list[tuple[int, ...]],
+            extra: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Feed ``first`` ([1, n] ids or [1, n, d] states) at the next n positions; return the non-KV outputs.
+
+        ``extra``: further graph inputs by name (e.g. a drafter graph's side inputs), fed as they are."""
         n, start = first.shape[1], self.length
         binding = self.session.io_binding()
-        self._bind(binding, self.inputs[0], first.contiguous())
+        first = first.contiguous()
+        self._bind(binding, self.inputs[0], first)
+        kept = [first]  # the bound buffers must outlive the run
+        for name, tensor in (extra or {}).items():
+            tensor = tensor.to(self.device).contiguous()
+            kept.append(tensor)
+            self._bind(binding, name, tensor)
         results = [torch.empty(shape, device=self.device) for shape in out_shapes]
         for name, tensor in zip(self.outputs, results):
             self._bind(binding, name, tensor, output=True)

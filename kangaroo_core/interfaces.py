@@ -167,6 +167,10 @@ class DraftRunner(abc.ABC):
         """Layer-l states [n, d] of positions ``start..`` (``start`` must equal :attr:`length`) → next-token logits
         [V] after the last one."""
 
+    def observe_deep(self, start: int, hidden: torch.Tensor) -> None:
+        """Optional: the target's deep states [m, d] of accepted positions ``start..`` (see
+        :meth:`SelfDrafter.observe_deep`), for networks that read them. Default: ignored."""
+
 
 class SelfDrafter(abc.ABC):
     """Proposes draft tokens from the target's own layer-l hidden states.

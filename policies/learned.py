@@ -31,7 +31,8 @@ class LearnedPolicy(StoppingPolicy):
 
     name = "learned"
 
-    def __init__(self, predictor: AcceptancePredictor | str, value_of_token: float = 1.0, draft_cost: float = 0.3):
+    def __init__(self, predictor: AcceptancePredictor | str | None = None, value_of_token: float = 1.0,
+                 draft_cost: float = 0.3):
         if value_of_token <= 0 or draft_cost < 0:
             raise ConfigError(f"learned policy: value_of_token must be > 0 and draft_cost >= 0, got {value_of_token}, {draft_cost}")
         self.predictor_path = predictor if isinstance(predictor, str) else None
@@ -42,9 +43,7 @@ class LearnedPolicy(StoppingPolicy):
 
     @classmethod
     def create(cls, config: DecodeConfig, **options: Any) -> "LearnedPolicy":
-        if "predictor" not in options:
-            raise ConfigError("the learned policy needs a predictor: --policy-option predictor=DIR "
-                              "(make one with `kangaroo train-policy --out DIR`)")
+        options.setdefault("predictor", None)  # None: the predictor shipped with the drafter's adapter
         for key in ("value_of_token", "draft_cost"):
             if key in options:
                 options[key] = float(options[key])
@@ -56,6 +55,19 @@ class LearnedPolicy(StoppingPolicy):
             self.predictor = AcceptancePredictor.load(self.predictor_path, base_fingerprint=backend.fingerprint,
                                                       exit_layer=backend.exit_layer)
             self.predictor_path = None
+
+    def prepare(self, engine: Any, prompt_ids, max_new_tokens: int) -> None:
+        """Without a predictor option: load the one shipped with the drafter's adapter (its ``default_predictor``
+        directory), once; a drafter without one is refused in one line."""
+        if self.predictor is not None:
+            return
+        directory = getattr(engine.drafter, "default_predictor", None)
+        if directory is None:
+            raise ConfigError("the learned policy needs a predictor: this drafter's adapter ships none; pass "
+                              "--policy-option predictor=DIR (make one with `kangaroo train-policy --out DIR`)")
+        backend = engine.backend
+        self.predictor = AcceptancePredictor.load(str(directory), base_fingerprint=backend.fingerprint,
+                                                  exit_layer=backend.exit_layer)
 
     def begin_round(self) -> None:
         self.alive = 1.0

@@ -206,3 +206,13 @@ def test_shipped_adapter_is_the_default_for_its_base_model(tmp_path, engine, tin
     assert untrained.resolved_adapter is None
     other_layer = Engine.build(str(tiny_model_dir), config=DecodeConfig(exit_layer=1, max_new_tokens=4))
     assert other_layer.drafter.resolved_adapter is None  # no shipped adapter for exit layer 1
+    # two shipped adapters for the same model and layer: the one marked default wins; the other is picked by name
+    adapter.save(shipped / "a-first-by-name", base_fingerprint=engine.backend.fingerprint, exit_layer=2)
+    meta = json.loads((shipped / "tiny-l2" / "adapter.json").read_text())
+    (shipped / "tiny-l2" / "adapter.json").write_text(json.dumps({**meta, "default": True}))
+    again = kangaroo_drafter.KangarooDrafter()
+    again.bind(engine.backend)
+    assert again.resolved_adapter == str(shipped / "tiny-l2")
+    by_name = kangaroo_drafter.KangarooDrafter(adapter="a-first-by-name")
+    by_name.bind(engine.backend)
+    assert by_name.resolved_adapter == str(shipped / "a-first-by-name")

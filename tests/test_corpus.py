@@ -136,3 +136,25 @@ def test_train_adapter_from_a_corpus_recomputes_features_and_evaluates_on_its_he
     assert main(args[:-4] + ["--out", str(tmp_path / "o2"), "--model", str(tiny_model_dir)]) == 0  # features reused
     assert main(["train-adapter", "--out", str(tmp_path / "o3"), "--corpus", str(tmp_path / "none")]) == 1
     assert "is not a kangaroo corpus" in capsys.readouterr().err
+
+
+def test_train_a_deep_context_adapter_with_a_draft_head_from_the_cli(tmp_path, prompts, engine, tiny_model_dir, capsys):
+    from kangaroo_plugins.kangaroo.adapter import KangarooAdapter
+
+    directory = tmp_path / "corpus"
+    build(Corpus(directory), engine, prompts, SETTINGS, progress=False, log=lambda m: None)
+    base = ["train-adapter", "--model", str(tiny_model_dir), "--corpus", str(directory), "--work-dir",
+            str(tmp_path / "work"), "--num-prompts", "6", "--epochs", "1", "--batch-size", "2"]
+    assert main([*base, "--out", str(tmp_path / "bad"), "--draft-head"]) == 2  # a head over which vocabulary?
+    assert "--draft-head needs --draft-vocab" in capsys.readouterr().err
+    out = tmp_path / "dc"
+    assert main([*base, "--out", str(out), "--adapter-type", "deep-context", "--ffn", "--draft-head", "--draft-vocab",
+                 "20", "--loss", "accept", "--train-depths", "3"]) == 0, capsys.readouterr().err
+    report = json.loads((out / "training_report.json").read_text())
+    assert report["config"]["adapter_type"] == "deep-context" and report["config"]["loss"] == "accept"
+    assert len(report["final"]["top1_by_depth"]) == report["config"]["gamma"]
+    meta = json.loads((out / "adapter.json").read_text())
+    assert meta["architecture"]["type"] == "deep-context" and meta["architecture"]["draft_head"] is True
+    assert main(["generate", "hello", "--model", str(tiny_model_dir), "--adapter", str(out), "--max-new-tokens", "8",
+                 "--json", "--compare"]) == 0
+    assert json.loads(capsys.readouterr().out)["identical_to_vanilla"] is True

@@ -104,9 +104,29 @@ def test_learned_rule_follows_the_confidence_feature():
     assert not policy.keep_drafting(step(1, 0.3))
 
 
-def test_learned_needs_a_predictor():
-    with pytest.raises(ConfigError, match="predictor"):
-        LearnedPolicy.create(DecodeConfig())
+def test_learned_without_options_uses_the_predictor_shipped_with_the_adapter(tmp_path):
+    """No predictor option: the one in ``<adapter>/predictor/`` (the drafter's ``default_predictor``); an adapter
+    without one is refused in one line at the first generation."""
+    from kangaroo_core.engine import Engine
+    from kangaroo_core.testing import hf_greedy, tiny_backend, tiny_llama
+    from kangaroo_plugins.greedy_verifier import GreedyVerifier
+    from kangaroo_plugins.kangaroo.adapter import KangarooAdapter
+    from kangaroo_plugins.kangaroo.drafter import KangarooDrafter
+
+    model = tiny_llama(3)
+    backend = tiny_backend(model, exit_layer=1)
+    KangarooAdapter.from_base_layer(model, 1).save(tmp_path / "a", base_fingerprint=backend.fingerprint, exit_layer=1)
+    config = DecodeConfig(exit_layer=1, max_new_tokens=8)
+    engine = Engine(backend, KangarooDrafter(str(tmp_path / "a")), LearnedPolicy.create(config), GreedyVerifier(), config)
+    with pytest.raises(ConfigError, match="ships none") as info:
+        engine.generate_ids([1, 2, 3])
+    assert "\n" not in str(info.value)
+    constant_predictor(0.99).save(tmp_path / "a" / "predictor", base_fingerprint=backend.fingerprint, exit_layer=1)
+    engine = Engine(backend, KangarooDrafter(str(tmp_path / "a")), LearnedPolicy.create(config), GreedyVerifier(), config)
+    result = engine.generate_ids([1, 2, 3])
+    assert result.token_ids == hf_greedy(model, [1, 2, 3], 8)
+    assert engine.policy.predictor.predict([0.5, 0.1, 1.0, 1.0]) == pytest.approx(0.99)
+    assert result.rounds[0].drafted == 6  # p = 0.99 everywhere: it keeps drafting up to gamma
 
 
 def test_features_and_conditional_samples():

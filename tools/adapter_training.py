@@ -1,13 +1,16 @@
 """Adapter training by self-distillation (paper §3.3): soft cross-entropy between the target's next-token
-distribution and the draft's, on response tokens, with AdamW and a warm-up + cosine schedule.
+distribution and the draft's (or an acceptance-oriented variant), on response tokens, with AdamW and a warm-up +
+cosine schedule.
 
 Pipeline (``train_adapter``), each stage resumable inside one work directory:
     1. prompts   seeded sample of the prompt file, split train / held-out       → work/prompts.json
-    2. data      the target answers every prompt, one forward pass records
-                 layer-l states and top-K soft labels                          → work/shards/*.safetensors
-    3. train     epochs of AdamW; after each epoch the adapter, optimizer state and metrics are checkpointed
-                                                                               → work/checkpoints/epoch-NNN/
-    4. vocab     optional draft vocabulary (--draft-vocab K): the K most frequent answer tokens
+    2. data      the target answers every prompt (or a committed corpus is read), one forward pass records
+                 layer-l states, deep states and top-K soft labels             → work/shards|features/*.safetensors
+    3. vocab     optional draft vocabulary (--draft-vocab K): the K most frequent answer tokens; training, the
+                 draft head (--draft-head) and evaluation use it
+    4. train     epochs of AdamW; a deep-context adapter is trained at every draft depth 0..train_depths-1 with
+                 the keys it sees there; after each epoch the adapter, optimizer state and metrics are checkpointed
+                                                                               → work/checkpoints/<run>/epoch-NNN/
     5. report    adapter directory + training_report.json + training_curves.png → out/
 """
 
@@ -31,7 +34,7 @@ from kangaroo_core import metrics
 from kangaroo_core.config import _non_negative_int, _positive_int, _unit_interval
 from kangaroo_core.errors import KangarooError
 from kangaroo_core.results import DraftStep
-from kangaroo_plugins.kangaroo.adapter import KangarooAdapter
+from kangaroo_plugins.kangaroo.adapter import KangarooAdapter, adapter_class
 from kangaroo_policies.threshold import ThresholdPolicy
 from kangaroo_tools.features import build_shards, corpus_feature_shards, load_shards, split_prompts
 from kangaroo_tools.prompts import read_prompts
@@ -61,9 +64,20 @@ class TrainConfig:
     seed: int = 0
     record_layers: tuple = attrs.field(default=(), converter=tuple)  # extra layers to record for the l sweep
     draft_vocab: int = attrs.field(default=0, validator=_non_negative_int)  # 0: draft over the whole vocabulary
+    adapter_type: str = attrs.field(default="attention", validator=attrs.validators.in_(("attention", "deep-context")))
+    draft_head: bool = False  # a trainable head over the draft vocabulary (needs draft_vocab)
+    loss: str = attrs.field(default="soft-ce", validator=attrs.validators.in_(("soft-ce", "accept")))
+    accept_weight: float = 1.0
+    train_depths: int = attrs.field(default=4, validator=_positive_int)  # deep-context: depths 0..train_depths-1
+    depth_decay: float = attrs.field(default=0.7, validator=_unit_interval)
+    fusion_lr_scale: float = attrs.field(default=0.1, validator=_unit_interval)  # deep-context fusions: lr × this
 
     def layers(self) -> list[int]:
         return sorted({self.exit_layer, *self.record_layers})
+
+
+#: parameters of the deep-context fusions (trained at ``lr * fusion_lr_scale``)
+FUSION_PREFIXES = ("kv_fuse.", "query_fuse.", "depth_embedding.")
 
 
 # -- loss and metrics ------------------------------------------------------------------------------------------------
@@ -72,39 +86,114 @@ def soft_cross_entropy(draft_logits: torch.Tensor, topk_ids: torch.Tensor, topk_
 
     draft_logits [N, V]; topk_ids [N, K]; topk_logprobs [N, K] (target log-probabilities) → scalar.
     """
-    log_q = torch.log_softmax(draft_logits.float(), dim=-1)  # [N, V]
-    p = torch.softmax(topk_logprobs.float(), dim=-1)  # [N, K], renormalised over the K kept entries
-    return -(p * log_q.gather(-1, topk_ids)).sum(-1).mean()
+    return distillation_loss(draft_logits, topk_ids, topk_logprobs, None, "soft-ce")
+
+
+def distillation_loss(draft_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
+                      vocab_index: torch.Tensor | None, loss: str = "soft-ce", accept_weight: float = 1.0) -> torch.Tensor:
+    """The training objective on N label rows.
+
+    draft_logits [N, K_d]: over the draft vocabulary (``vocab_index`` [V]: token id → its column, -1 outside) or over
+    the whole vocabulary (``vocab_index`` None). The target's top-K (ids [N, K], log-probabilities [N, K]) is
+    restricted to the columns and renormalised: p. The draft distribution is q = softmax(draft_logits).
+
+    * ``soft-ce`` (paper Eq. 3): -Σ p log q;
+    * ``accept``: soft-ce + ``accept_weight`` · (1 − Σ min(p, q)) — the second term is one minus the probability that
+      speculative sampling accepts a draft from q (Leviathan et al.), an acceptance-oriented objective whose
+      gradient concentrates on the tokens where q falls short of p.
+
+    Rows whose top-K holds no draft-vocabulary token teach nothing and are skipped.
+    """
+    columns = topk_ids if vocab_index is None else vocab_index[topk_ids]  # [N, K]
+    present = columns >= 0
+    useful = present.any(-1)
+    if not bool(useful.any()):
+        return draft_logits.sum() * 0.0
+    columns, present = columns[useful].clamp(min=0), present[useful]
+    p = torch.softmax(topk_logprobs[useful].float().masked_fill(~present, float("-inf")), dim=-1)  # [N', K]
+    log_q = torch.log_softmax(draft_logits[useful].float(), dim=-1).gather(-1, columns)  # [N', K]
+    log_q = log_q.masked_fill(~present, 0.0)
+    value = -(p * log_q).sum(-1).mean()
+    if loss == "accept":
+        value = value + accept_weight * (1 - torch.minimum(p, log_q.exp().masked_fill(~present, 0.0)).sum(-1)).mean()
+    elif loss != "soft-ce":
+        raise KangarooError(f"unknown loss {loss!r} (soft-ce, accept)")
+    return value
 
 
 # -- batching -------------------------------------------------------------------------------------------------------
-def _batches(records: list[dict], batch_size: int, rng: random.Random | None):
+def _batches(records: list[dict], batch_size: int, rng: random.Random | None, window: int = 32):
+    """Batches in record order (evaluation), or shuffled "sortish" (training): shuffle, sort by length inside
+    windows of ``window`` batches, shuffle the batches — random batches with little padding."""
     order = list(range(len(records)))
-    if rng is not None:
-        rng.shuffle(order)
-    for i in range(0, len(order), batch_size):
-        yield [records[j] for j in order[i:i + batch_size]]
+    if rng is None:
+        for i in range(0, len(order), batch_size):
+            yield [records[j] for j in order[i:i + batch_size]]
+        return
+    rng.shuffle(order)
+    span = batch_size * window
+    length = lambda j: records[j]["hidden"].shape[0]
+    order = [j for i in range(0, len(order), span) for j in sorted(order[i:i + span], key=length)]
+    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    rng.shuffle(batches)
+    for batch in batches:
+        yield [records[j] for j in batch]
 
 
-def _collate(batch: list[dict], dtype=torch.float32):
+@attrs.frozen
+class Batch:
+    """Right-padded records: states [B, T, d], labels [B, T, K]; row q of a sequence predicts its token q + 1."""
+
+    hidden: torch.Tensor
+    deep: torch.Tensor | None
+    topk_ids: torch.Tensor
+    topk_logprobs: torch.Tensor
+    input_ids: torch.Tensor  # [B, T]
+    prompt_lengths: list[int]
+    lengths: list[int]
+
+    def rows(self, depth: int = 0) -> torch.Tensor:
+        """[B, T] bool: the queries a round drafts from at ``depth``: q in [p + depth, n − 2] (the round's first
+        token is at p or later; the last token predicts nothing)."""
+        width = self.hidden.shape[1]
+        q = torch.arange(width)[None, :]
+        p = torch.tensor(self.prompt_lengths)[:, None]
+        n = torch.tensor(self.lengths)[:, None]
+        return (q >= p + depth) & (q <= n - 2)
+
+
+def _collate(batch: list[dict], dtype=torch.float32, deep: bool = False) -> Batch:
     width = max(r["hidden"].shape[0] for r in batch)
     d = batch[0]["hidden"].shape[1]
+    k = batch[0]["topk_ids"].shape[1]
     hidden = torch.zeros(len(batch), width, d, dtype=dtype)
-    select = torch.zeros(len(batch), width, dtype=torch.bool)  # positions whose next token is a response token
-    ids, logps, targets = [], [], []
+    deep_states = torch.zeros(len(batch), width, d, dtype=dtype) if deep else None
+    ids = torch.zeros(len(batch), width, k, dtype=torch.long)
+    logps = torch.zeros(len(batch), width, k, dtype=torch.float32)
+    tokens = torch.zeros(len(batch), width, dtype=torch.long)
     for row, r in enumerate(batch):
-        n, p = r["hidden"].shape[0], r["prompt_length"]
+        n = r["hidden"].shape[0]
         hidden[row, :n] = r["hidden"].to(dtype)
-        select[row, p - 1 : n - 1] = True
-        ids.append(r["topk_ids"][p - 1 : n - 1])
-        logps.append(r["topk_logprobs"][p - 1 : n - 1])
-        targets.append(r["input_ids"][p:n])
-    return hidden, select, torch.cat(ids), torch.cat(logps), torch.cat(targets)
+        if deep:
+            if "deep" not in r:
+                raise KangarooError("the feature shards hold no deep states; delete them to recompute")
+            deep_states[row, :n] = r["deep"].to(dtype)
+        ids[row, :n], logps[row, :n], tokens[row, :n] = r["topk_ids"], r["topk_logprobs"].float(), r["input_ids"]
+    return Batch(hidden, deep_states, ids, logps, tokens, [r["prompt_length"] for r in batch],
+                 [r["hidden"].shape[0] for r in batch])
 
 
-def _draft_logits(adapter: KangarooAdapter, head, hidden: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
-    out = adapter(hidden, 0)  # [B, T, d]
-    return adapter.full_logits(out[select], head)  # [N, V]: training and the loss always see every token
+def depth_outputs(adapter: KangarooAdapter, batch: Batch, depths: Sequence[int]) -> list[torch.Tensor]:
+    """The adapter's outputs [B, T, d] at each draft depth (the paper's adapter: one output, every depth alike)."""
+    if adapter.reads_deep_states:  # queries from the shortest prompt's last position on (earlier ones never draft)
+        return adapter.forward_depths(batch.hidden, batch.deep, list(depths), first_query=min(batch.prompt_lengths) - 1)
+    out = adapter(batch.hidden, 0)
+    return [out for _ in depths]
+
+
+def depth_weights(depths: int, decay: float) -> list[float]:
+    """Loss weight of draft depth j: decay**j (how often a round reaches depth j falls about geometrically)."""
+    return [decay ** j for j in range(depths)]
 
 
 def draft_vocab_from_records(records: Sequence[dict], size: int, always: Sequence[int] = ()) -> list[int]:
@@ -125,45 +214,97 @@ def vocab_coverage(records: Sequence[dict], vocab: Sequence[int]) -> float:
     return sum(t in keep for t in tokens) / max(len(tokens), 1)
 
 
+def vocab_index_of(adapter: KangarooAdapter) -> torch.Tensor | None:
+    """token id → column of the training logits (-1 outside the draft vocabulary); None without one."""
+    if adapter.draft_vocab is None:
+        return None
+    index = torch.full((adapter.config.vocab_size,), -1, dtype=torch.long)
+    index[adapter.draft_vocab] = torch.arange(len(adapter.draft_vocab))
+    return index
+
+
 def teacher_forced_answer(record: dict, predicted: torch.Tensor, probs: torch.Tensor, confidence: torch.Tensor,
-                          max_new_tokens: int, eos_ids: frozenset[int]) -> Answer:
+                          max_new_tokens: int, eos_ids: frozenset[int], depth_predictions: list | None = None) -> Answer:
     """The replay's :class:`~kangaroo_tools.replay.Answer` of one held-out answer from the adapter's teacher-forced
     predictions for its response tokens (row i predicts response token i; the prefill emits token 0, so the draft
-    for token k + 1 is row k + 1). No off-path drafts: accepted / emitted counts are exact."""
+    for token k + 1 is row k + 1). No off-path drafts: accepted / emitted counts are exact.
+
+    ``depth_predictions``: for a deep-context adapter, one (predicted, probs, confidence) triple per draft depth j,
+    rows as above (rows k + 1 <= j are never drafted at depth j)."""
     answer = record["input_ids"][record["prompt_length"]:].tolist()
-    steps = [DraftStep(index=1, token=int(predicted[i]), probs=probs[i], confidence=float(confidence[i]))
-             for i in range(1, len(answer))]
+
+    def steps(pred, pr, conf, depth=0):
+        return [DraftStep(index=1, token=int(pred[i]), probs=pr[i], confidence=float(conf[i])) if i > depth else None
+                for i in range(1, len(answer))]
+
     prompt = record["input_ids"][: record["prompt_length"]].tolist()
-    return Answer("heldout", prompt, answer, steps, {}, max_new_tokens, frozenset(eos_ids))
+    if depth_predictions is None:
+        return Answer("heldout", prompt, answer, steps(predicted, probs, confidence), {}, max_new_tokens, frozenset(eos_ids))
+    by_depth = [steps(*triple, depth=j) for j, triple in enumerate(depth_predictions)]
+    return Answer("heldout", prompt, answer, by_depth[0], {}, max_new_tokens, frozenset(eos_ids), depth_steps=by_depth)
 
 
 @torch.no_grad()
-def evaluate(adapter: KangarooAdapter, head, records: list[dict], config: TrainConfig, eos_ids=frozenset()) -> dict:
-    """Held-out loss, teacher-forced top-1 agreement with the target, and greedy CR / CTAR(1..gamma) of the
-    threshold policy at (eta, gamma), replayed exactly (:func:`kangaroo_tools.replay.simulate_policy`)."""
+def evaluate(adapter: KangarooAdapter, head, records: list[dict], config: TrainConfig, eos_ids=frozenset(),
+             answers: list | None = None) -> dict:
+    """Held-out loss, teacher-forced top-1 agreement with the target (per draft depth for a deep-context adapter),
+    and greedy CR / CTAR(1..gamma) of the threshold policy at (eta, gamma), replayed exactly with the drafting
+    pattern of the adapter (:func:`kangaroo_tools.replay.simulate_policy`). ``answers`` collects the replayed
+    :class:`~kangaroo_tools.replay.Answer` of each record (for policy sweeps and checks against the engine)."""
     adapter.eval()
-    losses, agree, total, all_rounds = [], 0, 0, []
+    deep = adapter.reads_deep_states
+    depths = list(range(config.gamma)) if deep else [0]
+    vocab_index = vocab_index_of(adapter)
+    losses, agree, total, all_rounds = [], [0] * len(depths), [0] * len(depths), []
     policy = ThresholdPolicy(eta=config.eta)
-    for batch in _batches(records, config.batch_size, None):
-        hidden, select, topk_ids, topk_logps, targets = _collate(batch, head.weight.dtype)
-        logits = _draft_logits(adapter, head, hidden, select)
-        losses.append(float(soft_cross_entropy(logits, topk_ids, topk_logps)) * len(targets))
-        probs = torch.softmax(adapter.restrict(logits).float(), dim=-1)  # what the drafter proposes from
-        confidence, predicted = probs.max(-1)
-        target_top1 = topk_ids[:, 0]
-        agree += int((predicted == target_top1).sum())
-        total += len(targets)
+    for batch_records in _batches(records, config.batch_size, None):
+        batch = _collate(batch_records, head.weight.dtype, deep=deep)
+        per_depth = []  # per depth: flat over the rows q in [p − 1, n − 2] of each record, in order
+        labelled = batch.rows(-1)  # row i of a record ↔ its response token i
+        for j, out in zip(depths, depth_outputs(adapter, batch, depths)):
+            logits = adapter.train_logits(out[labelled], head)  # [N, K_d]
+            rows = batch.rows(j)[labelled]  # the rows a round drafts from at depth j
+            if j == 0:
+                losses.append(float(distillation_loss(logits[rows], batch.topk_ids[labelled][rows],
+                                                      batch.topk_logprobs[labelled][rows], vocab_index)) * int(rows.sum()))
+            probs = torch.softmax(logits.float(), dim=-1)  # what the drafter proposes from (the draft vocabulary)
+            confidence, column = probs.max(-1)
+            predicted = column if adapter.draft_vocab is None else adapter.draft_vocab[column]
+            agree[j] += int((predicted == batch.topk_ids[labelled][:, 0])[rows].sum())
+            total[j] += int(rows.sum())
+            per_depth.append((predicted, probs, confidence))
         offset = 0
-        for r in batch:
-            n = r["hidden"].shape[0] - r["prompt_length"]
-            rows = slice(offset, offset + n)
-            offset += n
-            answer = teacher_forced_answer(r, predicted[rows], probs[rows], confidence[rows], config.max_new_tokens, eos_ids)
+        for r in batch_records:
+            m = r["hidden"].shape[0] - r["prompt_length"]
+            triples = [(pr[offset:offset + m], pb[offset:offset + m], cf[offset:offset + m]) for pr, pb, cf in per_depth]
+            offset += m
+            answer = teacher_forced_answer(r, *triples[0], config.max_new_tokens, eos_ids,
+                                           depth_predictions=triples if deep else None)
             all_rounds += simulate_policy(answer, policy, config.gamma)
+            if answers is not None:
+                answers.append(answer)
     adapter.train()
     summary = metrics.round_summary(all_rounds, config.gamma)
-    return {"loss": sum(losses) / max(total, 1), "top1_agreement": agree / max(total, 1), "tokens": total,
-            "rounds": summary["rounds"], "cr": summary["cr"] or 0.0, "ctar": summary["ctar"] or [0.0] * config.gamma}
+    result = {"loss": sum(losses) / max(total[0], 1), "top1_agreement": agree[0] / max(total[0], 1), "tokens": total[0],
+              "rounds": summary["rounds"], "cr": summary["cr"] or 0.0, "ctar": summary["ctar"] or [0.0] * config.gamma}
+    if deep:
+        result["top1_by_depth"] = [a / max(t, 1) for a, t in zip(agree, total)]
+    return result
+
+
+def training_loss(adapter: KangarooAdapter, head, batch: Batch, config: TrainConfig,
+                  vocab_index: torch.Tensor | None) -> torch.Tensor:
+    """The weighted loss over the draft depths the adapter is trained at (training-time test: a deep-context
+    adapter sees, at depth j, exactly the pattern it meets when drafting the round's (j+1)-th token)."""
+    depths = list(range(config.train_depths)) if adapter.reads_deep_states else [0]
+    weights = depth_weights(len(depths), config.depth_decay)
+    total = 0.0
+    for j, w, out in zip(depths, weights, depth_outputs(adapter, batch, depths)):
+        rows = batch.rows(j)
+        logits = adapter.train_logits(out[rows], head)
+        total = total + w * distillation_loss(logits, batch.topk_ids[rows], batch.topk_logprobs[rows], vocab_index,
+                                              config.loss, config.accept_weight)
+    return total / sum(weights)
 
 
 # -- checkpoints ----------------------------------------------------------------------------------------------------
@@ -269,18 +410,35 @@ def train_adapter(backend, prompts_file: str | Path | None, work_dir: str | Path
     head = backend.shared_head()
     for p in model.parameters():
         p.requires_grad_(False)
-    adapter = KangarooAdapter.from_base_layer(model, config.exit_layer, ffn=config.ffn, separate_head=config.separate_head)
+    if config.draft_head and not config.draft_vocab:
+        raise KangarooError("a draft-vocabulary head (--draft-head) needs a draft vocabulary (--draft-vocab K)")
+    network = adapter_class(config.adapter_type)
+    adapter = network.from_base_layer(model, config.exit_layer, ffn=config.ffn, separate_head=config.separate_head,
+                                      draft_head=config.draft_head)
+    # the draft vocabulary (optional) is chosen first: training, confidences and evaluation all use it
+    vocab_report = None
+    if config.draft_vocab:
+        vocab = draft_vocab_from_records(train_records, config.draft_vocab, sorted(backend.eos_token_ids))
+        adapter.set_draft_vocab(vocab, head)
+        vocab_report = {"size": len(vocab), "heldout_coverage": vocab_coverage(heldout_records, vocab)}
+        log(f"draft vocabulary: {len(vocab)} tokens cover {vocab_report['heldout_coverage']:.3f} of held-out answer tokens")
+    vocab_index = vocab_index_of(adapter)
     adapter.train()
     params = [p for p in adapter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
+    # zero-initialised fusions get a smaller step: Adam's first updates of a zero matrix are rank-one and
+    # sign-coherent, so at the adapter's learning rate W·z would swamp the layer-l state and training diverges
+    fusion = [p for n, p in adapter.named_parameters() if p.requires_grad and n.startswith(FUSION_PREFIXES)]
+    groups = [{"params": [p for p in params if all(p is not f for f in fusion)], "lr": config.lr}]
+    if fusion:
+        groups.append({"params": fusion, "lr": config.lr * config.fusion_lr_scale})
+    optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
     steps_per_epoch = math.ceil(len(train_records) / config.batch_size)
     total_steps = steps_per_epoch * config.epochs
     warmup = max(1, int(total_steps * config.warmup_fraction))
     schedule = lambda step: min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, step / total_steps)))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     # one checkpoint series per (training configuration, data): a run with other settings never resumes this one
-    # (the draft vocabulary is chosen after training, so it does not start a new series)
-    trained = {k: v for k, v in attrs.asdict(config).items() if k != "draft_vocab"}
+    trained = attrs.asdict(config)
     run_key = json.dumps({**trained, "train_shards": [p.name for p in train_paths]}, sort_keys=True)
     checkpoints = work / "checkpoints" / hashlib.sha256(run_key.encode()).hexdigest()[:16]
     checkpoints.mkdir(parents=True, exist_ok=True)
@@ -298,8 +456,8 @@ def train_adapter(backend, prompts_file: str | Path | None, work_dir: str | Path
         losses = []
         bar = tqdm(_batches(train_records, config.batch_size, rng), total=steps_per_epoch, desc=f"epoch {epoch}/{config.epochs}", unit="batch")
         for batch in bar:
-            hidden, select, topk_ids, topk_logps, _ = _collate(batch, head.weight.dtype)
-            loss = soft_cross_entropy(_draft_logits(adapter, head, hidden, select), topk_ids, topk_logps)
+            loss = training_loss(adapter, head, _collate(batch, head.weight.dtype, deep=adapter.reads_deep_states),
+                                 config, vocab_index)
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
@@ -314,18 +472,7 @@ def train_adapter(backend, prompts_file: str | Path | None, work_dir: str | Path
         _save_checkpoint(checkpoints / f"epoch-{epoch:03d}", adapter, optimizer, scheduler, history)
     timings["train"] = time.perf_counter() - t0
 
-    # 4. the draft vocabulary (optional): the most frequent answer tokens; final metrics are measured with it
     final = history[-1]
-    vocab_report = None
-    if config.draft_vocab:
-        vocab = draft_vocab_from_records(train_records, config.draft_vocab, sorted(backend.eos_token_ids))
-        adapter.set_draft_vocab(vocab)
-        final = {"epoch": config.epochs, "train_loss": history[-1]["train_loss"],
-                 **evaluate(adapter, head, heldout_records, config, backend.eos_token_ids)}
-        vocab_report = {"size": len(vocab), "heldout_coverage": vocab_coverage(heldout_records, vocab),
-                        "full_vocabulary": {k: history[-1][k] for k in ("top1_agreement", "cr", "ctar")}}
-        log(f"draft vocabulary: {len(vocab)} tokens cover {vocab_report['heldout_coverage']:.3f} of held-out answer "
-            f"tokens; top-1 agreement {final['top1_agreement']:.3f}, CR {final['cr']:.3f}")
 
     # 5. report
     out.mkdir(parents=True, exist_ok=True)

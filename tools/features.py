@@ -10,6 +10,8 @@ Shard tensors (B sequences, right-padded to T positions, K label entries):
     lengths        [B]    int32   real length of each sequence
     prompt_lengths [B]    int32   prompt length (labels count only for response tokens)
     hidden_l{L}    [B, T, d] fp16 output of layer L (= input of the adapter for exit layer L), one per layer
+    deep           [B, T, d] fp16 the target's final normed hidden state (what verification hands a deep-context
+                                  drafter for accepted positions; the LM head of row t predicts token t + 1)
     topk_ids       [B, T, K] int32  the target's K most likely next tokens at each position
     topk_logprobs  [B, T, K] fp16   their log-probabilities (full-vocabulary log-softmax)
 """
@@ -82,6 +84,7 @@ def extract_features(model, sequences: list[list[int]], prompt_lengths: list[int
     }
     for layer in layers:
         shard[f"hidden_l{layer}"] = out.hidden_states[layer].to(torch.float16)
+    shard["deep"] = out.last_hidden_state.to(torch.float16)
     return shard
 
 
@@ -140,6 +143,7 @@ def load_shards(paths: Sequence[Path], layer: int) -> Iterator[dict]:
                 "hidden": shard[key][row, :n],
                 "topk_ids": shard["topk_ids"][row, :n].long(),
                 "topk_logprobs": shard["topk_logprobs"][row, :n],
+                **({"deep": shard["deep"][row, :n]} if "deep" in shard else {}),
             }
 
 
@@ -163,6 +167,7 @@ def corpus_feature_shards(corpus, model, directory: Path, split: str, *, layers:
         if max_prompts is not None:
             records = records[: max_prompts - taken]
         taken += len(records)
+        records = sorted(records, key=lambda r: len(r.tokens))  # batches of similar lengths: little padding
         stem = name.removesuffix(".safetensors")
         for sub in range(0, len(records), batch_size):
             path = directory / f"{stem}-{sub // batch_size:03d}.safetensors"

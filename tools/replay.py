@@ -38,6 +38,9 @@ class Answer:
     ``steps[k]``: the draft for ``answer[k + 1]`` made from the true prefix (None: the drafter proposed nothing).
     ``off_path[k]``: when ``steps[k]`` is wrong, the drafts that would follow it in the same round (made from the
     wrong prefix, up to gamma − 1 of them), for policies that keep drafting past a draft the target will reject.
+    ``depth_steps[j][k]`` (drafters that read deep states): the draft for ``answer[k + 1]`` at draft depth j of a
+    round, i.e. with deep states verified up to j + 1 positions before it; ``steps`` is then ``depth_steps[0]``.
+    Rounds deeper than the list use its last depth.
     """
 
     subtask: str
@@ -47,6 +50,13 @@ class Answer:
     off_path: dict[int, list[DraftStep]] = attrs.field(eq=False, repr=False)
     max_new_tokens: int
     eos: frozenset[int] = frozenset()
+    depth_steps: list[list[DraftStep | None]] | None = attrs.field(default=None, eq=False, repr=False)
+
+    def step_at(self, k: int, depth: int) -> DraftStep | None:
+        """The draft for ``answer[k + 1]`` made at draft ``depth`` of its round."""
+        if self.depth_steps is None:
+            return self.steps[k]
+        return self.depth_steps[min(depth, len(self.depth_steps) - 1)][k]
 
     @property
     def correct(self) -> list[bool]:
@@ -67,8 +77,12 @@ def replay_answer(backend: Backend, drafter: SelfDrafter, subtask: str, prompt_i
                   answer: Sequence[int], *, gamma: int, max_new_tokens: int) -> Answer:
     """Walk the answer once with the true prefix (teacher forcing) and branch off at every wrong draft."""
     if drafter.wants_deep_states:
-        raise KangarooError(f"the exact replay does not model drafters that read the target's deep states "
-                            f"('{drafter.name}'): its drafts depend on which earlier drafts were accepted")
+        adapter = getattr(drafter, "adapter", None)
+        if not getattr(adapter, "reads_deep_states", False):
+            raise KangarooError(f"the exact replay does not model drafters that read the target's deep states "
+                                f"('{drafter.name}'): its drafts depend on which earlier drafts were accepted")
+        return _deep_context_answer(backend, drafter, subtask, prompt_ids, answer, gamma=gamma,
+                                    max_new_tokens=max_new_tokens)
     prompt, answer = list(prompt_ids), list(answer)
     eos = frozenset(backend.eos_token_ids)
     tokens = prompt + answer
@@ -103,14 +117,43 @@ def replay_answer(backend: Backend, drafter: SelfDrafter, subtask: str, prompt_i
     return Answer(subtask, prompt, answer, steps, off_path, max_new_tokens, eos)
 
 
-def _round_drafts(answer: Answer, j: int, correct: list[bool]):
+@torch.inference_mode()
+def _deep_context_answer(backend: Backend, drafter: SelfDrafter, subtask: str, prompt_ids: Sequence[int],
+                         answer: Sequence[int], *, gamma: int, max_new_tokens: int) -> Answer:
+    """The replay of a deep-context adapter: its draft at answer position k depends on the round's depth (how many
+    positions before it are verified), so it is computed at every depth 0..gamma-1 from one teacher-forced pass of
+    the target (layer-l and deep states of the whole answer) and the adapter's training pass, which builds exactly
+    the keys each depth sees (:meth:`DeepContextAdapter.forward_depths`). Drafts made after a rejected one are not
+    modelled (``off_path`` is empty): accepted / emitted counts are exact, drafted counts a lower bound."""
+    prompt, answer = list(prompt_ids), list(answer)
+    eos = frozenset(backend.eos_token_ids)
+    p, m = len(prompt), len(answer)
+    if m < 2:
+        return Answer(subtask, prompt, answer, [], {}, max_new_tokens, eos)
+    tokens = prompt + answer[:-1]
+    backend.reset()
+    shallow = backend.shallow(tokens, 0)  # [N, d]
+    deep = backend.deep(shallow, 0, rows=[len(tokens) - 1]).hidden  # [N, d]
+    backend.reset()
+    adapter = drafter.adapter
+    dtype = next(adapter.parameters()).dtype
+    head = adapter.drafting_head(backend.shared_head())
+    outs = adapter.forward_depths(shallow[None].to(dtype), deep[None].to(dtype), list(range(gamma)), first_query=p)
+    # row p + k - 1 (k >= 1) drafts answer[k]; steps[k - 1] is that draft
+    by_depth = [[_step(head(out[0, p + k - 1])) if k - 1 >= depth else None for k in range(1, m)] for depth, out in
+                enumerate(outs)]
+    return Answer(subtask, prompt, answer, by_depth[0], {}, max_new_tokens, eos, depth_steps=by_depth)
+
+
+def _round_drafts(answer: Answer, j: int):
     """(draft, on the target's path) for the drafts of a round that starts after ``answer[j]``, in order."""
     for k in range(j, len(answer.steps)):
-        step = answer.steps[k]
+        step = answer.step_at(k, k - j)
         if step is None:
             return
-        yield step, correct[k]
-        if not correct[k]:
+        ok = step.token == answer.answer[k + 1]
+        yield step, ok
+        if not ok:
             for off in answer.off_path.get(k, []):
                 yield off, False
             return
@@ -123,7 +166,6 @@ def simulate_policy(answer: Answer, policy: StoppingPolicy, gamma: int) -> list[
     stops after a draft that is EOS or when the drafter has nothing to propose; the verify accepts the drafts up to
     the first one off the target's path.
     """
-    correct = answer.correct
     m = len(answer.answer)
     rounds: list[RoundResult] = []
     j = 0  # the output so far is answer[: j + 1]
@@ -134,7 +176,7 @@ def simulate_policy(answer: Answer, policy: StoppingPolicy, gamma: int) -> list[
         on_path = True
         if max_drafts > 0:
             policy.start_round(tokens)  # as the engine does (the default calls begin_round)
-            for step, ok in _round_drafts(answer, j, correct):
+            for step, ok in _round_drafts(answer, j):
                 drafted += 1
                 on_path = on_path and ok
                 accepted += on_path

@@ -31,12 +31,14 @@ METADATA_FILE = "adapter.json"
 DRAFT_VOCAB_TENSOR = "draft_vocab"
 
 
-def adapter_architecture(model_config, *, ffn: bool = False, separate_head: bool = False,
-                         draft_vocab_size: int | None = None) -> dict:
+def adapter_architecture(model_config, *, kind: str = "attention", ffn: bool = False, separate_head: bool = False,
+                         draft_head: bool = False, draft_vocab_size: int | None = None) -> dict:
     head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
     extra = {} if draft_vocab_size is None else {"draft_vocab_size": int(draft_vocab_size)}
+    if draft_head:  # only written when set, so adapters made before the option still load
+        extra["draft_head"] = True
     return {
-        "type": "attention",
+        "type": kind,
         "hidden_size": model_config.hidden_size,
         "num_attention_heads": model_config.num_attention_heads,
         "num_key_value_heads": model_config.num_key_value_heads,
@@ -55,11 +57,14 @@ class DraftHead(nn.Module):
     output stays lossless — and the head costs K/V of the full one (the full 49k-row head dominates a SmolLM2 draft
     step). The scatter back to the full vocabulary keeps every consumer (policies, verifiers) unchanged."""
 
-    def __init__(self, weight: torch.Tensor, index: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, index: torch.Tensor, *, vocab: torch.Tensor | None = None,
+                 vocab_size: int | None = None):
         super().__init__()
-        self.vocab_size = weight.shape[0]
+        # weight [V, d] with rows index [K] (the shared head), or weight [K, d] itself (a draft head: index = 0..K-1,
+        # vocab = the token ids of its rows)
+        self.vocab_size = vocab_size or weight.shape[0]
         self.register_buffer("rows", weight.detach()[index].clone().contiguous(), persistent=False)  # [K, d]
-        self.register_buffer("index", index.clone(), persistent=False)  # [K]
+        self.register_buffer("index", (index if vocab is None else vocab).clone(), persistent=False)  # [K]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., d] → [..., V]
         sub = nn.functional.linear(x, self.rows)  # [..., K]
@@ -67,16 +72,36 @@ class DraftHead(nn.Module):
         return full.scatter(-1, self.index.expand(*sub.shape[:-1], -1), sub)
 
 
+def adapter_class(kind: str) -> type["KangarooAdapter"]:
+    """The network class of an adapter ``type`` (``attention``: the paper's; ``deep-context``: reads deep states)."""
+    if kind == "attention":
+        return KangarooAdapter
+    if kind == "deep-context":
+        from kangaroo_plugins.kangaroo.deep_context import DeepContextAdapter
+
+        return DeepContextAdapter
+    raise AdapterMismatchError(f"unknown adapter type {kind!r} (known: attention, deep-context)")
+
+
 class KangarooAdapter(nn.Module):
     """One attention block on the target's layer-l hidden states; returns states for the shared LM head.
 
     Ablation variants (paper Table 2): ``ffn`` adds a Llama MLP block after the attention; ``separate_head`` gives the
-    adapter its own LM head (initialised from the shared one) instead of sharing the target's.
+    adapter its own LM head (initialised from the shared one) instead of sharing the target's; ``draft_head`` gives
+    it a trainable head over the draft vocabulary only (rows initialised from the shared head, EAGLE-3 / FR-Spec
+    style; needs a draft vocabulary, see :meth:`set_draft_vocab`).
     """
 
-    def __init__(self, model_config, *, ffn: bool = False, separate_head: bool = False):
+    kind = "attention"
+    #: whether the drafter must hand it the target's deep states (:mod:`kangaroo_plugins.kangaroo.deep_context`)
+    reads_deep_states = False
+
+    def __init__(self, model_config, *, ffn: bool = False, separate_head: bool = False, draft_head: bool = False):
         super().__init__()
-        self.ffn, self.separate_head = ffn, separate_head
+        if separate_head and draft_head:
+            raise ValueError("an adapter has either its own full head (separate_head) or a draft-vocabulary head, not both")
+        self.ffn, self.separate_head, self.draft_head = ffn, separate_head, draft_head
+        self.draft_rows: nn.Parameter | None = None  # the trainable draft head [K, d] (draft_head only)
         self.draft_vocab: torch.Tensor | None = None  # token ids the drafter may propose (None: all)
         config = copy.deepcopy(model_config)
         config.num_hidden_layers = 1
@@ -93,9 +118,10 @@ class KangarooAdapter(nn.Module):
             self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @classmethod
-    def from_base_layer(cls, model, exit_layer: int, *, ffn: bool = False, separate_head: bool = False) -> "KangarooAdapter":
+    def from_base_layer(cls, model, exit_layer: int, *, ffn: bool = False, separate_head: bool = False,
+                        draft_head: bool = False) -> "KangarooAdapter":
         """A sensible untrained adapter: the attention (and MLP) and norms of layer l, the model's final norm."""
-        adapter = cls(model.config, ffn=ffn, separate_head=separate_head)
+        adapter = cls(model.config, ffn=ffn, separate_head=separate_head, draft_head=draft_head)
         layer = model.model.layers[exit_layer]
         adapter.attention.load_state_dict(layer.self_attn.state_dict())
         adapter.input_norm.load_state_dict(layer.input_layernorm.state_dict())
@@ -109,17 +135,36 @@ class KangarooAdapter(nn.Module):
 
     def architecture(self) -> dict:
         size = None if self.draft_vocab is None else len(self.draft_vocab)
-        return adapter_architecture(self.config, ffn=self.ffn, separate_head=self.separate_head, draft_vocab_size=size)
+        return adapter_architecture(self.config, kind=self.kind, ffn=self.ffn, separate_head=self.separate_head,
+                                    draft_head=self.draft_head, draft_vocab_size=size)
 
-    def set_draft_vocab(self, token_ids) -> None:
-        """Restrict drafting to these token ids (None: the whole vocabulary). Training always uses the full head."""
+    def set_draft_vocab(self, token_ids, shared_head: nn.Module | None = None) -> None:
+        """Restrict drafting to these token ids (None: the whole vocabulary). With ``draft_head`` this creates the
+        trainable rows, initialised from ``shared_head`` (zeros without one: about to be loaded)."""
         if token_ids is None:
+            if self.draft_head:
+                raise ValueError("a draft-vocabulary head needs a draft vocabulary")
             self.draft_vocab = None
-        else:
-            ids = torch.as_tensor(sorted({int(t) for t in token_ids}), dtype=torch.long)
-            if len(ids) == 0 or int(ids[0]) < 0 or int(ids[-1]) >= self.config.vocab_size:
-                raise ValueError(f"draft vocabulary must be non-empty token ids in [0, {self.config.vocab_size})")
-            self.draft_vocab = ids
+            return
+        ids = torch.as_tensor(sorted({int(t) for t in token_ids}), dtype=torch.long)
+        if len(ids) == 0 or int(ids[0]) < 0 or int(ids[-1]) >= self.config.vocab_size:
+            raise ValueError(f"draft vocabulary must be non-empty token ids in [0, {self.config.vocab_size})")
+        self.draft_vocab = ids
+        if self.draft_head:
+            param = next(self.parameters())
+            rows = (shared_head.weight.detach()[ids.to(shared_head.weight.device)].clone() if shared_head is not None
+                    else torch.zeros(len(ids), self.config.hidden_size))
+            self.draft_rows = nn.Parameter(rows.to(device=param.device, dtype=param.dtype))
+
+    def train_logits(self, out: torch.Tensor, shared_head: nn.Module) -> torch.Tensor:
+        """Adapter output → training logits: over the draft vocabulary [.., K] when there is one (what drafting
+        samples from, so confidences are calibrated for it), else over the whole vocabulary [.., V]."""
+        if self.draft_head:
+            return nn.functional.linear(out, self.draft_rows)
+        if self.draft_vocab is None:
+            return self.full_logits(out, shared_head)
+        base = self.head if self.separate_head else shared_head
+        return nn.functional.linear(out, base.weight[self.draft_vocab.to(base.weight.device)])
 
     def full_logits(self, out: torch.Tensor, shared_head: nn.Module) -> torch.Tensor:
         """Adapter output → logits over the whole vocabulary (training): its own head if it has one, else the
@@ -129,6 +174,9 @@ class KangarooAdapter(nn.Module):
     def drafting_head(self, shared_head: nn.Module) -> nn.Module:
         """The head used for drafting: the full one, or a :class:`DraftHead` over the draft vocabulary (a copy of
         those rows: build it once, as the drafter does when it binds, not per token)."""
+        if self.draft_head:
+            return DraftHead(self.draft_rows, torch.arange(len(self.draft_vocab), device=self.draft_rows.device),
+                             vocab=self.draft_vocab.to(self.draft_rows.device), vocab_size=self.config.vocab_size)
         base = self.head if self.separate_head else shared_head
         if self.draft_vocab is None:
             return base
@@ -222,11 +270,17 @@ class KangarooAdapter(nn.Module):
         arch = meta.get("architecture") or {}
         if not isinstance(arch, dict):
             raise AdapterMismatchError(f"{meta_path}: 'architecture' must be a JSON object")
-        variant = {"ffn": bool(arch.get("ffn")), "separate_head": bool(arch.get("separate_head"))}
-        expected = adapter_architecture(model.config, **variant, draft_vocab_size=arch.get("draft_vocab_size"))
+        variant = {"ffn": bool(arch.get("ffn")), "separate_head": bool(arch.get("separate_head")),
+                   "draft_head": bool(arch.get("draft_head"))}
+        network = adapter_class(str(arch.get("type", "attention")))
+        expected = adapter_architecture(model.config, kind=network.kind, **variant,
+                                        draft_vocab_size=arch.get("draft_vocab_size"))
         if arch != expected:
             raise AdapterMismatchError(f"adapter {directory} architecture {arch} does not fit this model ({expected})")
-        adapter = cls(model.config, **variant).to(next(model.parameters()).dtype)
+        try:
+            adapter = network(model.config, **variant).to(next(model.parameters()).dtype)
+        except ValueError as exc:
+            raise AdapterMismatchError(f"adapter {directory}: {exc}") from None
         try:
             state = load_file(weights_path)
         except (SafetensorError, OSError) as exc:
@@ -245,7 +299,7 @@ class KangarooAdapter(nn.Module):
         except RuntimeError as exc:  # a tensor of the wrong shape
             first = str(exc).strip().splitlines()
             raise AdapterMismatchError(f"adapter {weights_path}: {first[-1].strip() if first else exc}") from None
-        missing = [k for k in missing if "rotary_emb" not in k]
+        missing = [k for k in missing if "rotary_emb" not in k and not k.startswith("rope.")]
         if missing or unexpected:
             raise AdapterMismatchError(f"adapter {weights_path}: missing tensors {missing}, unexpected {unexpected}")
         return adapter

@@ -20,12 +20,21 @@ UNTRAINED = "untrained"
 
 
 def shipped_adapter_for(fingerprint: str, exit_layer: int) -> Path | None:
-    """The shipped adapter trained for this base model at this exit layer, if there is one."""
+    """The shipped adapter trained for this base model at this exit layer, if there is one: the one marked
+    ``"default": true`` in its ``adapter.json`` when several fit (the others are picked by name, see
+    :func:`shipped_adapter_named`)."""
+    fitting = []
     for meta_path in sorted(SHIPPED_ADAPTERS.glob(f"*/{METADATA_FILE}")):
         meta = json.loads(meta_path.read_text())
         if meta.get("base_model_fingerprint") == fingerprint and meta.get("exit_layer") == exit_layer:
-            return meta_path.parent
-    return None
+            fitting.append((not meta.get("default", False), meta_path.parent))
+    return min(fitting)[1] if fitting else None
+
+
+def shipped_adapter_named(name: str) -> Path | None:
+    """A shipped adapter by directory name (e.g. ``smollm2-135m-instruct-l2-paper``), if there is one."""
+    candidate = SHIPPED_ADAPTERS / name
+    return candidate if "/" not in name and (candidate / METADATA_FILE).is_file() else None
 
 
 class KangarooDrafter(SelfDrafter):
@@ -34,9 +43,10 @@ class KangarooDrafter(SelfDrafter):
 
     Args:
         onnx_opset / onnx_tolerance: how its adapter graph is exported and validated on an onnxruntime backend.
-        adapter: an adapter directory (``adapter.safetensors`` + ``adapter.json``); None for the shipped adapter of
-            this base model and exit layer when there is one (else an untrained adapter); ``"untrained"`` for an
-            adapter initialised from layer l's attention (output stays lossless, acceptance is low).
+        adapter: an adapter directory (``adapter.safetensors`` + ``adapter.json``) or the name of a shipped one;
+            None for the default shipped adapter of this base model and exit layer when there is one (else an
+            untrained adapter); ``"untrained"`` for an adapter initialised from layer l's attention (output stays
+            lossless, acceptance is low).
     """
 
     name = "kangaroo"
@@ -52,7 +62,8 @@ class KangarooDrafter(SelfDrafter):
         if self.adapter_path == UNTRAINED:
             return None
         if self.adapter_path is not None:
-            return self.adapter_path
+            shipped = shipped_adapter_named(self.adapter_path) if not Path(self.adapter_path).exists() else None
+            return str(shipped) if shipped else self.adapter_path
         shipped = shipped_adapter_for(backend.fingerprint, backend.exit_layer)
         return str(shipped) if shipped else None
 
@@ -69,6 +80,17 @@ class KangarooDrafter(SelfDrafter):
                                            exit_layer=backend.exit_layer)
         self.adapter = adapter.eval()
         self.runner = make_runner(backend, self.adapter, self.resolved_adapter, **self.onnx_export)
+        # a deep-context adapter asks the engine for the target's deep states of the accepted positions
+        self.wants_deep_states = adapter.reads_deep_states
+
+    @property
+    def default_predictor(self) -> Path | None:
+        """The ``learned`` policy's acceptance predictor made for this adapter (``<adapter>/predictor/``), if the
+        adapter ships one."""
+        if getattr(self, "resolved_adapter", None) is None:
+            return None
+        directory = Path(self.resolved_adapter) / "predictor"
+        return directory if directory.is_dir() else None
 
     @property
     def seen(self) -> int:
@@ -83,3 +105,6 @@ class KangarooDrafter(SelfDrafter):
 
     def crop(self, length: int) -> None:
         self.runner.crop(length)
+
+    def observe_deep(self, start: int, hidden: torch.Tensor) -> None:
+        self.runner.observe_deep(start, hidden)

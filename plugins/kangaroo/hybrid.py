@@ -121,6 +121,10 @@ class HybridDrafter(SelfDrafter):
         self.resolved_adapter = self.adapter.resolved_adapter
 
     @property
+    def default_predictor(self):
+        return self.adapter.default_predictor
+
+    @property
     def seen(self) -> int:
         return self.adapter.seen
 
@@ -166,6 +170,8 @@ class HybridDrafter(SelfDrafter):
     def observe_deep(self, start: int, hidden: torch.Tensor) -> None:
         """Positions ``start..start+m`` were accepted (x_n and m drafts): lookup drafts among ``start+1..start+m``
         were accepted, one at ``start+m+1`` was the rejected draft; later ones were never on the target's path."""
+        if self.adapter.wants_deep_states:  # a deep-context adapter reads them too
+            self.adapter.observe_deep(start, hidden)
         end = start + hidden.shape[0]  # first position not accepted
         for position in sorted(self.pending):
             if position <= start:

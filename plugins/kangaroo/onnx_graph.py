@@ -30,6 +30,14 @@ MANIFEST = "adapter_manifest.json"
 GRAPH_FILE = "adapter.onnx"
 INPUTS = ["hidden", "position_ids", *kv_names("past", 1)]
 OUTPUTS = ["last_logits", "adapter_hidden", *kv_names("new", 1)]
+#: the deep-context adapter's graph: side inputs after the KV ones (see :class:`DeepContextGraph`)
+DEEP_INPUTS = [*INPUTS, "deep", "known", "latest_deep", "depth"]
+DEEP_OUTPUTS = ["last_logits", *kv_names("new", 1)]
+
+
+def graph_io(adapter) -> tuple[list[str], list[str]]:
+    """The input and output names of ``adapter``'s graph."""
+    return (DEEP_INPUTS, DEEP_OUTPUTS) if adapter.reads_deep_states else (INPUTS, OUTPUTS)
 
 
 class AdapterGraph(nn.Module):
@@ -51,6 +59,48 @@ class AdapterGraph(nn.Module):
             out = out + self.mlp(self.mlp_norm(out))
         out = self.output_norm(out)
         return self.head(out[:, -1]), out, k, v
+
+
+class DeepContextGraph(nn.Module):
+    """The deep-context adapter (:mod:`kangaroo_plugins.kangaroo.deep_context`) for n new positions.
+
+    ``deep`` [1, n, d] and ``known`` [1, n, 1] (1.0 where the position's deep state is verified) make the new
+    positions' keys/values; ``latest_deep`` [1, d] and ``depth`` [1] (int64) make the last position's query. The
+    runner also calls it to rewrite the keys/values of positions whose deep states arrived (logits unused)."""
+
+    def __init__(self, adapter, shared_head):
+        super().__init__()
+        self.adapter = adapter
+        self.head = adapter.drafting_head(shared_head)
+
+    def forward(self, hidden, position_ids, past_key, past_value, deep, known, latest_deep, depth):
+        a = self.adapter
+        k, v = a.keys_values(a.kv_input(hidden, deep, known), position_ids[0])  # [1, kvh, n, hd]
+        keys = torch.cat([past_key.transpose(1, 2), k], dim=2)
+        values = torch.cat([past_value.transpose(1, 2), v], dim=2)
+        x_q = a.query_input(hidden[:, -1:], latest_deep[:, None], depth[:, None])  # [1, 1, d]
+        allowed = torch.ones(1, keys.shape[2], dtype=torch.bool, device=hidden.device)
+        out = a.attend(x_q, position_ids[0, -1:], keys, values, allowed)
+        return self.head(out[:, -1]), k.transpose(1, 2), v.transpose(1, 2)
+
+
+def _deep_args(adapter, past: int, n: int, gen: torch.Generator):
+    d = adapter.config.hidden_size
+    kvh, hd = adapter.config.num_key_value_heads, adapter.head_dim
+    known = (torch.arange(n) < n - 1).float()[None, :, None]  # the last position not yet verified
+    return [torch.randn(1, n, d, generator=gen), torch.arange(past, past + n)[None], torch.randn(1, past, kvh, hd, generator=gen),
+            torch.randn(1, past, kvh, hd, generator=gen), torch.randn(1, n, d, generator=gen), known,
+            torch.randn(1, d, generator=gen), torch.tensor([n % 3])]
+
+
+def _deep_cases(graph, adapter, seed: int = 0):
+    """A 4-position prefill and a 3-position step after 5 cached positions, with the eager graph's outputs."""
+    gen = torch.Generator().manual_seed(seed)
+    for past, n in ((0, 4), (5, 3)):
+        args = _deep_args(adapter, past, n, gen)
+        with torch.inference_mode():
+            refs = list(graph(*args))
+        yield args, refs
 
 
 def _cases(adapter, shared_head, seed: int = 0):
@@ -79,20 +129,28 @@ def export_adapter_graph(adapter, shared_head, out_dir: Path, *, fingerprint: st
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     if not quiet:
         print(f"kangaroo: exporting the adapter graph once to {out_dir}", file=sys.stderr)
+    inputs, outputs = graph_io(adapter)
     with atomic_directory(out_dir) as tmp:
         file = tmp / GRAPH_FILE
-        args = (torch.randn(1, 2, cfg.hidden_size), torch.arange(3, 5)[None], torch.randn(1, 3, kvh, hd),
-                torch.randn(1, 3, kvh, hd))
+        if adapter.reads_deep_states:
+            graph = DeepContextGraph(adapter, shared_head).eval()
+            args = tuple(_deep_args(adapter, 3, 2, torch.Generator().manual_seed(1)))
+            axes = dynamic_axes(inputs, outputs, fixed=("last_logits", "latest_deep", "depth"))
+        else:
+            graph = AdapterGraph(adapter, shared_head).eval()
+            args = (torch.randn(1, 2, cfg.hidden_size), torch.arange(3, 5)[None], torch.randn(1, 3, kvh, hd),
+                    torch.randn(1, 3, kvh, hd))
+            axes = dynamic_axes(inputs, outputs, fixed=("last_logits",))
         try:
-            export_graph(AdapterGraph(adapter, shared_head).eval(), args, file, INPUTS, OUTPUTS,
-                         dynamic_axes(INPUTS, OUTPUTS, fixed=("last_logits",)), opset)
+            export_graph(graph, args, file, inputs, outputs, axes, opset)
         except Exception as exc:
             raise OnnxExportError(f"torch.onnx.export failed for the adapter graph: {exc}") from exc
-        check = validate_outputs(file, INPUTS, _cases(adapter, shared_head))
+        cases = _deep_cases(graph, adapter) if adapter.reads_deep_states else _cases(adapter, shared_head)
+        check = validate_outputs(file, inputs, cases)
         limit = check_tolerance("adapter", check, tolerance)
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "file": GRAPH_FILE, "opset": opset,
                     "base_model_fingerprint": fingerprint, "exit_layer": exit_layer, "adapter": key,
-                    "architecture": adapter.architecture(), "inputs": INPUTS, "outputs": OUTPUTS,
+                    "architecture": adapter.architecture(), "inputs": inputs, "outputs": outputs,
                     "validation": {**check, "tolerance": limit, "cases": "past=0,n=4; past=5,n=3"},
                     "versions": versions()}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")

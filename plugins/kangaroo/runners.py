@@ -40,14 +40,106 @@ class TorchAdapterRunner(DraftRunner):
         return self.head(out[0, -1])  # [V]
 
 
+class _DeepContext:
+    """What a deep-context runner remembers besides its KV cache: the layer-l states of the positions it has seen
+    (to rewrite their keys/values when their deep states arrive) and the deep states verified so far.
+
+    ``known``: positions 0..known-1 have deep states. Positions arrive in order (the engine's contract)."""
+
+    def __init__(self, d: int, device, dtype):
+        self.hidden = torch.empty(256, d, device=device, dtype=dtype)
+        self.deep = torch.empty(256, d, device=device, dtype=dtype)
+        self.known = 0
+
+    def _fit(self, end: int) -> None:
+        while end > self.hidden.shape[0]:
+            for name in ("hidden", "deep"):
+                old = getattr(self, name)
+                new = torch.empty(2 * old.shape[0], old.shape[1], device=old.device, dtype=old.dtype)
+                new[: old.shape[0]] = old
+                setattr(self, name, new)
+
+    def store_hidden(self, hidden: torch.Tensor, start: int) -> None:
+        self._fit(start + hidden.shape[0])
+        self.hidden[start:start + hidden.shape[0]] = hidden
+
+    def store_deep(self, deep: torch.Tensor, start: int) -> None:
+        if start > self.known:
+            raise KangarooError(f"deep states must arrive in order: got position {start}, expected {self.known}")
+        self._fit(start + deep.shape[0])
+        self.deep[start:start + deep.shape[0]] = deep
+        self.known = start + deep.shape[0]
+
+    def known_mask(self, start: int, n: int) -> torch.Tensor:
+        """[n, 1]: 1.0 where position start+i has a deep state."""
+        index = torch.arange(start, start + n, device=self.hidden.device)
+        return (index < self.known).to(self.hidden.dtype)[:, None]
+
+    def deep_rows(self, start: int, n: int) -> torch.Tensor:
+        """Deep states of positions start..start+n-1 (zeros where unknown)."""
+        rows = torch.zeros(n, self.deep.shape[1], device=self.deep.device, dtype=self.deep.dtype)
+        end = min(self.known, start + n)
+        if end > start:
+            rows[: end - start] = self.deep[start:end]
+        return rows
+
+    def latest(self) -> torch.Tensor:
+        """z_{known-1} (zeros before any deep state) [d]."""
+        return self.deep[self.known - 1] if self.known else torch.zeros_like(self.deep[0])
+
+
+class DeepContextTorchRunner(TorchAdapterRunner):
+    """The deep-context adapter in eager PyTorch: keys/values of verified positions are (re)computed from
+    ``h + W_kv z`` as soon as their deep states arrive; the query reads the latest verified deep state."""
+
+    def __init__(self, adapter, shared_head: torch.nn.Module):
+        super().__init__(adapter, shared_head)
+        param = next(adapter.parameters())
+        self.context = _DeepContext(adapter.config.hidden_size, param.device, param.dtype)
+
+    def reset(self) -> None:
+        super().reset()
+        self.context.known = 0
+
+    def _write(self, start: int, n: int) -> None:
+        """Append keys/values of positions start..start+n-1 (the cache holds exactly start positions)."""
+        a, c = self.adapter, self.context
+        y = a.kv_input(c.hidden[start:start + n], c.deep_rows(start, n), c.known_mask(start, n))
+        k, v = a.keys_values(y[None], torch.arange(start, start + n, device=y.device))
+        self.cache.update(k, v, 0)
+
+    @torch.inference_mode()
+    def advance(self, hidden: torch.Tensor, start: int) -> torch.Tensor:
+        check_start("adapter", start, self.length)
+        a, c, n = self.adapter, self.context, hidden.shape[0]
+        c.store_hidden(hidden, start)
+        self._write(start, n)
+        q = start + n - 1
+        depth = torch.tensor([q - c.known], device=hidden.device)
+        x_q = a.query_input(hidden[-1:], c.latest()[None], depth)  # [1, d]
+        keys, values = self.cache.layer(0)
+        out = a.attend_all(x_q[None], torch.tensor([q], device=hidden.device), keys, values)
+        return self.head(out[0, -1])  # [V]
+
+    @torch.inference_mode()
+    def observe_deep(self, start: int, deep: torch.Tensor) -> None:
+        """Record z of positions start..; rewrite the keys/values of those already in the cache (no target work:
+        one key/value projection of the accepted positions)."""
+        c = self.context
+        c.store_deep(deep.to(c.deep.dtype), start)
+        seen = self.length
+        if start < seen:
+            self.cache.crop(start)
+            self._write(start, seen - start)
+
+
 class OnnxAdapterRunner(DraftRunner):
     """The exported adapter graph (see :mod:`kangaroo_plugins.kangaroo.onnx_graph`) on the backend's onnxruntime;
     exported once per (base model, exit layer, adapter) into the backend's artefact directory."""
 
     def __init__(self, backend: Backend, adapter: KangarooAdapter, adapter_path: str | None, *, opset: int,
                  tolerance: float):
-        from kangaroo_plugins.kangaroo.onnx_graph import (GRAPH_FILE, INPUTS, MANIFEST, OUTPUTS, export_adapter_graph,
-                                                          read_adapter_manifest)
+        from kangaroo_plugins.kangaroo.onnx_graph import GRAPH_FILE, MANIFEST, export_adapter_graph, graph_io, read_adapter_manifest
 
         key = adapter_key(adapter_path)
         directory = backend.artifact_dir() / "kangaroo" / f"l{backend.exit_layer}-{key}"
@@ -60,7 +152,8 @@ class OnnxAdapterRunner(DraftRunner):
                 raise OnnxExportError(f"cannot export the adapter graph into {directory}: {exc}; export the bundle "
                                       f"with this adapter (`kangaroo export-onnx --adapter DIR`)") from None
         read_adapter_manifest(directory, fingerprint=backend.fingerprint, exit_layer=backend.exit_layer, key=key)
-        self.graph = backend.open_graph(directory / GRAPH_FILE, INPUTS, OUTPUTS, kv_layers=1)
+        inputs, outputs = graph_io(adapter)
+        self.graph = backend.open_graph(directory / GRAPH_FILE, inputs, outputs, kv_layers=1)
         self.hidden_size, self.vocab_size, self.device = backend.hidden_size, backend.vocab_size, backend.device
 
     @property
@@ -80,12 +173,48 @@ class OnnxAdapterRunner(DraftRunner):
         return logits[0]
 
 
+class DeepContextOnnxRunner(OnnxAdapterRunner):
+    """The deep-context adapter's graph on onnxruntime; the same bookkeeping as :class:`DeepContextTorchRunner`."""
+
+    def __init__(self, backend: Backend, adapter, adapter_path: str | None, *, opset: int, tolerance: float):
+        super().__init__(backend, adapter, adapter_path, opset=opset, tolerance=tolerance)
+        self.context = _DeepContext(self.hidden_size, self.device, torch.float32)
+
+    def reset(self) -> None:
+        super().reset()
+        self.context.known = 0
+
+    def _run(self, start: int, n: int) -> torch.Tensor:
+        c = self.context
+        extra = {"deep": c.deep_rows(start, n)[None], "known": c.known_mask(start, n)[None],
+                 "latest_deep": c.latest()[None], "depth": torch.tensor([start + n - 1 - c.known])}
+        (logits,) = self.graph.run(c.hidden[start:start + n][None], [(1, self.vocab_size)], extra)
+        return logits[0]
+
+    def advance(self, hidden: torch.Tensor, start: int) -> torch.Tensor:
+        check_start("adapter", start, self.length)
+        self.context.store_hidden(hidden.to(device=self.device, dtype=torch.float32), start)
+        return self._run(start, hidden.shape[0])
+
+    def observe_deep(self, start: int, deep: torch.Tensor) -> None:
+        c = self.context
+        c.store_deep(deep.to(device=self.device, dtype=torch.float32), start)
+        seen = self.length
+        if start < seen:
+            self.graph.crop(start)
+            self._run(start, seen - start)
+
+
 def make_runner(backend: Backend, adapter: KangarooAdapter, adapter_path: str | None, *, opset: int,
                 tolerance: float) -> DraftRunner:
     """The runner for ``backend.runtime``; a one-line error for a runtime the drafter cannot run on."""
     if backend.runtime == "torch":
+        if adapter.reads_deep_states:
+            return DeepContextTorchRunner(adapter, backend.shared_head())
         return TorchAdapterRunner(adapter, backend.shared_head())
     if backend.runtime == "onnxruntime":
+        if adapter.reads_deep_states:
+            return DeepContextOnnxRunner(backend, adapter, adapter_path, opset=opset, tolerance=tolerance)
         return OnnxAdapterRunner(backend, adapter, adapter_path, opset=opset, tolerance=tolerance)
     raise KangarooError(f"the kangaroo drafter runs on the torch or onnxruntime runtimes, not on the '{backend.name}' "
                         f"backend's runtime '{backend.runtime}'")

@@ -1,0 +1,152 @@
+"""The deep-context adapter: the Kangaroo adapter that also reads the target's deep states of verified positions.
+
+Verification computes the target's final (normed) hidden state ``z_s`` of every accepted position anyway; the
+engine hands them to the drafter (:meth:`~kangaroo_core.interfaces.SelfDrafter.observe_deep`). The draft model stays
+M[:l] + this adapter + the shared head — no extra target computation.
+
+Glossary (one drafting round that starts after the target emitted x_t):
+
+* ``h_s`` — layer-l state of position s (every position has one);
+* ``z_s`` — the target's deep state of position s, known for verified positions s <= t - 1 only (x_t itself was
+  produced from z_{t-1}; its own deep state comes with this round's verification);
+* draft depth ``j`` — the query at position t + j drafts the (j+1)-th token of the round; the last j + 1 positions
+  (t..t+j) have layer-l states only, and the latest deep state is z_{t-1}.
+
+Network (zero-initialised fusions, so an untrained one is exactly the paper's adapter):
+
+    key/value input   y_s = h_s + W_kv z_s   (verified s)        y_s = h_s   (not yet verified)
+    query input       x_q = h_q + W_q z_{t-1} + E[j]             (E: a learned embedding of the draft depth)
+    out               = norm_out(x_q + Attn(norm_in(x_q), norm_in(y_<=q)))   [+ MLP block], then the head
+
+Training (``forward_depths``) shows it exactly the pattern it meets while drafting: for depth j, query q attends to
+fused keys of positions <= q - j - 1 and to plain keys of q - j..q, with z_{q-j-1} in its query — every depth in one
+pass over two key sets ([fused; plain], 2T keys).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kangaroo_backends.onnx_export import Rotary, _rope
+from kangaroo_plugins.kangaroo.adapter import KangarooAdapter
+
+#: draft depths beyond this share the last depth embedding
+MAX_DEPTH = 8
+
+
+class DeepContextAdapter(KangarooAdapter):
+    """:class:`KangarooAdapter` + deep-state fusion into the verified positions' keys/values and into the query."""
+
+    kind = "deep-context"
+    reads_deep_states = True
+
+    def __init__(self, model_config, *, ffn: bool = False, separate_head: bool = False, draft_head: int = 0):
+        super().__init__(model_config, ffn=ffn, separate_head=separate_head, draft_head=draft_head)
+        d = self.config.hidden_size
+        self.kv_fuse = nn.Linear(d, d, bias=False)
+        self.query_fuse = nn.Linear(d, d, bias=False)
+        self.depth_embedding = nn.Embedding(MAX_DEPTH + 1, d)
+        for module in (self.kv_fuse, self.query_fuse, self.depth_embedding):
+            nn.init.zeros_(module.weight)
+        self.rope = Rotary(self.rotary_emb)
+        attn = self.attention
+        self.heads, self.kv_heads = self.config.num_attention_heads, self.config.num_key_value_heads
+        self.head_dim = attn.head_dim
+        self.scaling = self.head_dim ** -0.5
+
+    # -- the pieces (shared by training, the torch runner and the ONNX graph) --------------------------------------
+    def keys_values(self, y: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Key/value inputs y [B, n, d] at ``positions`` [n] → keys, values [B, kvh, n, hd] (RoPE applied)."""
+        b, n, _ = y.shape
+        x = self.input_norm(y)
+        k = self.attention.k_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.attention.v_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = self.rope(positions[None])
+        return _rope(k, cos[:, None], sin[:, None]), v
+
+    def kv_input(self, hidden: torch.Tensor, deep: torch.Tensor, known: torch.Tensor) -> torch.Tensor:
+        """y = h + W_kv z where ``known`` [.., n, 1] (1.0: deep state verified), h elsewhere."""
+        return hidden + known * self.kv_fuse(deep)
+
+    def query_input(self, hidden: torch.Tensor, latest_deep: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+        """x_q = h_q + W_q z_latest + E[depth] (depth clamped to MAX_DEPTH)."""
+        return hidden + self.query_fuse(latest_deep) + self.depth_embedding(depth.clamp(0, MAX_DEPTH))
+
+    def queries(self, x_q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Query inputs x_q [B, n, d] at ``positions`` [n] → queries [B, H, n, hd] (RoPE applied)."""
+        b, n, _ = x_q.shape
+        q = self.attention.q_proj(self.input_norm(x_q)).view(b, n, self.heads, self.head_dim).transpose(1, 2)
+        cos, sin = self.rope(positions[None])
+        return _rope(q, cos[:, None], sin[:, None])
+
+    def _expand(self, kv: torch.Tensor) -> torch.Tensor:
+        """[B, kvh, T, hd] → [B, H, T, hd] (grouped-query attention)."""
+        rep = self.heads // self.kv_heads
+        if rep == 1:
+            return kv
+        b, _, t, hd = kv.shape
+        return kv[:, :, None].expand(b, self.kv_heads, rep, t, hd).reshape(b, self.heads, t, hd)
+
+    def finish(self, x_q: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """Attention output [B, H, n, hd] → adapter output [B, n, d]: o_proj, residual on x_q, [MLP], norm."""
+        b, _, n, _ = attended.shape
+        out = x_q + self.attention.o_proj(attended.transpose(1, 2).reshape(b, n, -1))
+        if self.ffn:
+            out = out + self.mlp(self.mlp_norm(out))
+        return self.output_norm(out)
+
+    def attend(self, x_q: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               allowed: torch.Tensor) -> torch.Tensor:
+        """Queries x_q [B, n, d] at ``positions`` [n] over keys/values [B, kvh, T, hd]; ``allowed`` [n, T] (bool)
+        → adapter output [B, n, d] (before the head)."""
+        q = self.queries(x_q, positions)  # [B, H, n, hd]
+        scores = torch.matmul(q, self._expand(keys).transpose(2, 3)) * self.scaling  # [B, H, n, T]
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+        return self.finish(x_q, torch.matmul(torch.softmax(scores, dim=-1), self._expand(values)))
+
+    def attend_all(self, x_q: torch.Tensor, position: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Drafting: one query x_q [1, 1, d] at ``position`` [1] over every cached key [1, kvh, T, hd] → [1, 1, d].
+        Grouped-query heads are matched by a reshape (no copy of the cache) and nothing is masked."""
+        q = self.queries(x_q, position)  # [1, H, 1, hd]
+        rep = self.heads // self.kv_heads
+        q = q.reshape(1, self.kv_heads, rep, self.head_dim)  # head h = g * rep + r reads key group g
+        scores = torch.matmul(q, keys.transpose(2, 3)) * self.scaling  # [1, kvh, rep, T]
+        attended = torch.matmul(torch.softmax(scores, dim=-1), values)  # [1, kvh, rep, hd]
+        return self.finish(x_q, attended.reshape(1, self.heads, 1, self.head_dim))
+
+    # -- training: every draft depth in one pass -------------------------------------------------------------------
+    def forward_depths(self, hidden: torch.Tensor, deep: torch.Tensor, depths, first_query: int = 0) -> list[torch.Tensor]:
+        """hidden, deep [B, T, d] (right-padded; deep of position s = z_s) → one output [B, T, d] per depth j.
+
+        Row q of depth j's output is the draft the adapter makes at query q when z_<=q-j-1 are verified. Rows with
+        q - j - 1 < 0 are meaningless (callers mask them out), and so are rows before ``first_query`` (zeros: not
+        computed — training skips the prompt's queries, which are never drafted from)."""
+        b, t, d = hidden.shape
+        positions = torch.arange(t, device=hidden.device)
+        ones = torch.ones(b, t, 1, dtype=hidden.dtype, device=hidden.device)
+        k_fused, v_fused = self.keys_values(self.kv_input(hidden, deep, ones), positions)
+        k_plain, v_plain = self.keys_values(hidden, positions)
+        keys = self._expand(torch.cat([k_fused, k_plain], dim=2))  # [B, H, 2T, hd]: fused, then plain
+        values = self._expand(torch.cat([v_fused, v_plain], dim=2))
+        f = min(max(first_query, 0), t - 1)
+        outputs = []
+        for j in depths:
+            lo = max(f, j + 1)  # first query with a verified position before its round (earlier rows stay zero)
+            if lo >= t:
+                outputs.append(hidden.new_zeros(b, t, d))
+                continue
+            queries = positions[lo:]
+            latest = deep[:, lo - j - 1: t - j - 1]  # z_{q-j-1}
+            depth = torch.full((b, t - lo), j, dtype=torch.long, device=hidden.device)
+            x_q = self.query_input(hidden[:, lo:], latest, depth)
+            q_pos, k_pos = queries[:, None], positions[None, :]
+            verified = k_pos <= q_pos - j - 1  # fused keys of verified positions
+            recent = (k_pos >= q_pos - j) & (k_pos <= q_pos)  # the round's positions so far: layer-l only
+            allowed = torch.cat([verified, recent], dim=1)  # [Tq, 2T]
+            # one fused attention kernel over both key sets (PyTorch's SDPA: far less memory traffic than masked
+            # matmuls on the long prompts training sees)
+            attended = torch.nn.functional.scaled_dot_product_attention(self.queries(x_q, queries), keys, values,
+                                                                        attn_mask=allowed)
+            outputs.append(torch.cat([hidden.new_zeros(b, lo, d), self.finish(x_q, attended)], dim=1))
+        return outputs
