@@ -96,15 +96,6 @@ class DeepContextAdapter(KangarooAdapter):
             out = out + self.mlp(self.mlp_norm(out))
         return self.output_norm(out)
 
-    def attend(self, x_q: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-               allowed: torch.Tensor) -> torch.Tensor:
-        """Queries x_q [B, n, d] at ``positions`` [n] over keys/values [B, kvh, T, hd]; ``allowed`` [n, T] (bool)
-        → adapter output [B, n, d] (before the head)."""
-        q = self.queries(x_q, positions)  # [B, H, n, hd]
-        scores = torch.matmul(q, self._expand(keys).transpose(2, 3)) * self.scaling  # [B, H, n, T]
-        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-        return self.finish(x_q, torch.matmul(torch.softmax(scores, dim=-1), self._expand(values)))
-
     def attend_all(self, x_q: torch.Tensor, position: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Drafting: one query x_q [1, 1, d] at ``position`` [1] over every cached key [1, kvh, T, hd] → [1, 1, d].
         Grouped-query heads are matched by a reshape (no copy of the cache) and nothing is masked."""

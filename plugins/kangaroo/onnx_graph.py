@@ -79,8 +79,7 @@ class DeepContextGraph(nn.Module):
         keys = torch.cat([past_key.transpose(1, 2), k], dim=2)
         values = torch.cat([past_value.transpose(1, 2), v], dim=2)
         x_q = a.query_input(hidden[:, -1:], latest_deep[:, None], depth[:, None])  # [1, 1, d]
-        allowed = torch.ones(1, keys.shape[2], dtype=torch.bool, device=hidden.device)
-        out = a.attend(x_q, position_ids[0, -1:], keys, values, allowed)
+        out = a.attend_all(x_q, position_ids[0, -1:], keys, values)
         return self.head(out[:, -1]), k.transpose(1, 2), v.transpose(1, 2)
 
 
