@@ -41,7 +41,7 @@ class DeepContextAdapter(KangarooAdapter):
     kind = "deep-context"
     reads_deep_states = True
 
-    def __init__(self, model_config, *, ffn: bool = False, separate_head: bool = False, draft_head: int = 0):
+    def __init__(self, model_config, *, ffn: bool = False, separate_head: bool = False, draft_head: bool = False):
         super().__init__(model_config, ffn=ffn, separate_head=separate_head, draft_head=draft_head)
         d = self.config.hidden_size
         self.kv_fuse = nn.Linear(d, d, bias=False)
