@@ -98,6 +98,18 @@ def _convert_gguf(path: Path, target: Path) -> None:
         raise
 
 
+def gguf_source(model) -> Path | None:
+    """The GGUF file a model loaded by :func:`load_model` was converted from (None for a plain HF directory)."""
+    directory = Path(getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "") or ".")
+    source = directory / "kangaroo_source.json"
+    if not source.is_file():
+        return None
+    try:
+        return Path(json.loads(source.read_text())["gguf"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def load_model(model: str | os.PathLike | None, dtype="float32"):
     """Return ``(model, tokenizer, name)`` for a local HF directory, a GGUF file, or None (the default model)."""
     path = default_model_path() if model is None else Path(model).expanduser()

@@ -25,8 +25,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from kangaroo_backends.loading import cache_dir, load_model
-from kangaroo_backends.onnx_export import FORMAT, FORMAT_VERSION, GRAPHS, MANIFEST, export_onnx, graph_io, import_onnxruntime
+from kangaroo_backends.loading import cache_dir, gguf_source, load_model
+from kangaroo_backends.onnx_export import (FORMAT, FORMAT_VERSION, GRAPHS, MANIFEST, WEIGHTS, export_onnx, graph_io,
+                                           import_onnxruntime)
 from kangaroo_backends.torch_eager import check_start, describe_split_model
 from kangaroo_core.config import ConfigError, DecodeConfig
 from kangaroo_core.errors import OnnxModelError, ProviderError
@@ -91,6 +92,14 @@ def read_manifest(directory: Path, *, fingerprint: str, exit_layer: int) -> dict
     for name in GRAPHS:
         graph_file(Path(directory), manifest, name, path)
     return manifest
+
+
+def export_weights(manifest: dict) -> tuple[str, int]:
+    """``("float32", 0)`` or ``("gguf", accuracy level)`` for an export's manifest (older exports: float32)."""
+    weights = manifest.get("weights", "float32")
+    if isinstance(weights, dict):
+        return "gguf", int(weights.get("accuracy_level", 0))
+    return "float32", 0
 
 
 def _file_opset(path: Path, manifest: dict):
@@ -200,8 +209,30 @@ class OnnxBackend(Backend):
     runtime = "onnxruntime"
 
     def __init__(self, model, tokenizer, exit_layer: int, model_name: str = "model", *, provider: str = "auto",
-                 bundle: str | Path | None = None, threads: int | None = None, quiet: bool = False):
+                 bundle: str | Path | None = None, threads: int | None = None, quiet: bool = False,
+                 weights: str = "float32", accuracy_level: int | None = None, gguf_path: str | Path | None = None):
         self.ort = import_onnxruntime()
+        if weights not in WEIGHTS:
+            raise ConfigError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+        if weights == "float32" and accuracy_level is not None:
+            raise ConfigError("accuracy_level applies to weights=gguf only")
+        accuracy_level = 0 if weights == "float32" else (1 if accuracy_level is None else accuracy_level)
+        if not isinstance(accuracy_level, int) or not 0 <= accuracy_level <= 4:
+            raise ConfigError(f"accuracy_level must be an integer 0..4, got {accuracy_level!r}")
+        self.weights, self.accuracy_level = weights, accuracy_level
+        if bundle is not None and (Path(bundle).expanduser() / MANIFEST).is_file():  # a bundle says what it holds
+            try:
+                self.weights, self.accuracy_level = export_weights(read_json(Path(bundle).expanduser() / MANIFEST,
+                                                                             OnnxModelError))
+            except (OnnxModelError, AttributeError, TypeError, ValueError):
+                pass  # reported with the full manifest check when the sessions open
+        self._set_exactness()
+        self.gguf_path = None
+        if weights == "gguf" and bundle is None:
+            self.gguf_path = Path(gguf_path) if gguf_path is not None else gguf_source(model)
+            if self.gguf_path is None or not self.gguf_path.is_file():
+                raise ConfigError("weights=gguf needs a model loaded from a GGUF file (--model FILE.gguf, or the "
+                                  "default SmolLM2 GGUF)")
         # self.model is kept for exporting and for drafters that build their weights from it; it never runs per token
         describe_split_model(self, model, tokenizer, exit_layer, model_name)
         self.provider = resolve_provider(self.ort, provider)
@@ -214,19 +245,30 @@ class OnnxBackend(Backend):
 
     @classmethod
     def create(cls, config: DecodeConfig, model: Any = None, dtype: str = "float32", provider: str = "auto",
-               bundle: str | None = None, threads: int | None = None, **options: Any) -> "OnnxBackend":
+               bundle: str | None = None, threads: int | None = None, weights: str = "float32",
+               accuracy_level: int | None = None, **options: Any) -> "OnnxBackend":
         if options:
             raise ConfigError(f"unknown onnx backend option(s): {', '.join(sorted(options))}; "
-                              f"valid options: model, provider, bundle, threads")
+                              f"valid options: model, provider, bundle, threads, weights, accuracy_level")
+        if weights not in WEIGHTS:
+            raise ConfigError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
         if dtype != "float32":
             raise ConfigError(f"the onnx backend runs float32 graphs only, got dtype {dtype!r}")
         import_onnxruntime()  # the install hint before a model load
         loaded, tokenizer, name = load_model(model, dtype=torch.float32)
         return cls(loaded, tokenizer, config.exit_layer, name, provider=provider, bundle=bundle,
-                   threads=None if threads is None else int(threads))
+                   threads=None if threads is None else int(threads), weights=weights,
+                   accuracy_level=None if accuracy_level is None else int(accuracy_level))
 
     def base_model(self):
         return self.model
+
+    def _set_exactness(self) -> None:
+        # measured: at accuracy level 4 a verify pass and one-token passes over the same tokens pick different tokens
+        # (activations are quantized per pass); at levels 0/1 the graphs compute in float32 as the plain export does
+        self.inexact_multi_position = None if self.accuracy_level <= 1 else (
+            f"MatMulNBits accuracy level {self.accuracy_level} quantizes activations per pass, so a verify pass does "
+            "not reproduce one-token passes; use --onnx-accuracy-level 1 (float32 activations) to draft")
 
     def resplit(self, exit_layer: int) -> "OnnxBackend":
         if self.bundle is not None:
@@ -234,13 +276,16 @@ class OnnxBackend(Backend):
                               f"re-split at {exit_layer}")
         provider = {name: key for key, name in PROVIDERS.items()}[self.provider]
         return type(self)(self.model, self.tokenizer, exit_layer, self.model_name, provider=provider,
-                          threads=self.threads, quiet=self.quiet)
+                          threads=self.threads, quiet=self.quiet, weights=self.weights,
+                          accuracy_level=self.accuracy_level if self.weights == "gguf" else None,
+                          gguf_path=self.gguf_path)
 
     # -- export / sessions -----------------------------------------------------------------------------------------
     def export_dir(self) -> Path:
         if self.bundle is not None:
             return self.bundle
-        return cache_dir() / "onnx" / f"v{FORMAT_VERSION}" / f"{self.fingerprint}-l{self.exit_layer}"
+        suffix = "" if self.weights == "float32" else f"-gguf-a{self.accuracy_level}"
+        return cache_dir() / "onnx" / f"v{FORMAT_VERSION}" / f"{self.fingerprint}-l{self.exit_layer}{suffix}"
 
     def artifact_dir(self) -> Path:
         """Where drafters keep their own exported graphs for this backend: inside the export (one directory to ship)."""
@@ -296,8 +341,14 @@ class OnnxBackend(Backend):
             print(f"kangaroo: no ONNX export of {self.model_name} at exit layer {self.exit_layer} yet; exporting "
                   f"once to {directory}", file=sys.stderr)
             export_onnx(self.model, directory, exit_layer=self.exit_layer, fingerprint=self.fingerprint,
-                        model_name=self.model_name, quiet=self.quiet)
+                        model_name=self.model_name, quiet=self.quiet, weights=self.weights, gguf_path=self.gguf_path,
+                        accuracy_level=self.accuracy_level)
         manifest = read_manifest(directory, fingerprint=self.fingerprint, exit_layer=self.exit_layer)
+        if self.bundle is None and export_weights(manifest) != (self.weights, self.accuracy_level):
+            raise OnnxModelError(f"ONNX export {directory} has weights {export_weights(manifest)}, not "
+                                 f"{(self.weights, self.accuracy_level)}; delete it to re-export")
+        self.weights, self.accuracy_level = export_weights(manifest)
+        self._set_exactness()
         runners = {}
         for name in GRAPHS:
             inputs, outputs = graph_io(name, self.num_layers, self.exit_layer)

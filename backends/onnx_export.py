@@ -48,6 +48,11 @@ FORMAT_VERSION = 2
 DEFAULT_OPSET = 17
 #: accepted max |onnx - eager| relative to max(1, max |eager|) per output
 DEFAULT_TOLERANCE = 1e-4
+#: the same, for graphs whose activations are quantized (MatMulNBits accuracy levels 2-4): lossy by choice, so only a
+#: sanity bound; the block mapping itself is what level 1 validates strictly (int8 activations on random inputs:
+#: measured 7 % of the output's magnitude on a tiny random model, 27 % through SmolLM2's 28 deep layers)
+LOSSY_TOLERANCE = 1.0
+WEIGHTS = ("float32", "gguf")
 GRAPHS = ("shallow", "deep", "head")
 INSTALL_HINT = "pip install 'kangaroo-decoding[onnx]'"
 
@@ -308,12 +313,18 @@ def _cases(name: str, model, exit_layer: int, seed: int = 0):
 
 
 def export_onnx(model, out_dir: str | os.PathLike, *, exit_layer: int, fingerprint: str | None = None, model_name: str = "model", opset: int = DEFAULT_OPSET,
-                tolerance: float = DEFAULT_TOLERANCE, overwrite: bool = False, quiet: bool = False) -> dict[str, Any]:
+                tolerance: float = DEFAULT_TOLERANCE, overwrite: bool = False, quiet: bool = False,
+                weights: str = "float32", gguf_path: str | os.PathLike | None = None,
+                accuracy_level: int = 1) -> dict[str, Any]:
     """Export the shallow / deep / head graphs of ``model`` (a transformers Llama) split at ``exit_layer`` into ``out_dir``.
 
     Every graph is validated against eager PyTorch before the export is declared good; the export is written to a
     temporary directory and renamed into place, so a failed or refused export leaves nothing behind.
-    Returns the manifest.
+    ``weights="gguf"``: every linear layer then runs ``MatMulNBits`` over the GGUF file's own blocks
+    (:mod:`kangaroo_backends.gguf_nbits`; ``model`` must be that file's float32 dequantization, which is what
+    :func:`~kangaroo_backends.loading.load_model` gives) and is validated against the float32 model again: at
+    ``accuracy_level`` 0/1 to the same tolerance (same weights, float32 activations), above (2 fp16, 3 bf16, 4 int8 activations: lossy)
+    to :data:`LOSSY_TOLERANCE`. Returns the manifest.
     """
     import_onnxruntime()
     try:
@@ -328,6 +339,17 @@ def export_onnx(model, out_dir: str | os.PathLike, *, exit_layer: int, fingerpri
     num_layers = model.config.num_hidden_layers
     if not 1 <= exit_layer < num_layers:
         raise OnnxExportError(f"exit_layer must be in [1, {num_layers - 1}] for this {num_layers}-layer model, got {exit_layer}")
+    if weights not in WEIGHTS:
+        raise OnnxExportError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    if not 0 <= int(accuracy_level) <= 4:
+        raise OnnxExportError(f"accuracy_level must be 0..4, got {accuracy_level!r}")
+    nbits = None
+    if weights == "gguf":
+        from kangaroo_backends.gguf_nbits import read_linear_weights
+
+        if gguf_path is None:
+            raise OnnxExportError("weights='gguf' needs the GGUF file the model was loaded from")
+        nbits = read_linear_weights(gguf_path, model.config)
     if fingerprint is None:
         fingerprint = model_fingerprint(model)
     model = model if next(model.parameters()).dtype == torch.float32 else copy.deepcopy(model).float()
@@ -356,7 +378,13 @@ def export_onnx(model, out_dir: str | os.PathLike, *, exit_layer: int, fingerpri
                 raise OnnxExportError(f"torch.onnx.export failed for the {name} graph: {exc}") from exc
             check = validate_outputs(file, inputs, _cases(name, model, exit_layer))
             limit = check_tolerance(name, check, tolerance)
+            quantized = None
+            if nbits is not None:
+                quantized = _quantize(file, name, model, nbits, exit_layer, num_layers, accuracy_level)
+                check = validate_outputs(file, inputs, _cases(name, model, exit_layer))
+                limit = check_tolerance(name, check, tolerance if accuracy_level <= 1 else LOSSY_TOLERANCE)
             graphs[name] = {
+                **({"matmul_nbits": quantized} if quantized else {}),
                 "file": file.name,
                 "inputs": _shapes(inputs, dims),
                 "outputs": _shapes(outputs, dims),
@@ -368,6 +396,8 @@ def export_onnx(model, out_dir: str | os.PathLike, *, exit_layer: int, fingerpri
             "format_version": FORMAT_VERSION,
             "opset": opset,
             "dtype": "float32",
+            "weights": weights if nbits is None else {"format": "gguf-matmulnbits", "gguf_file": Path(gguf_path).name,
+                                                      "accuracy_level": int(accuracy_level)},
             "kv_layout": "[batch, seq, kv_heads, head_dim]; graphs return the new positions' KV only",
             "model_name": model_name,
             "base_model_fingerprint": fingerprint,
@@ -383,6 +413,31 @@ def export_onnx(model, out_dir: str | os.PathLike, *, exit_layer: int, fingerpri
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
+
+
+#: 8-bit blocks run as MatMulNBits only with int8 activations: onnxruntime 1.32 has no fast 8-bit kernel for float32
+#: activations (measured, SmolLM2's 49152 x 576 head, 2 threads: 158 ms, against 3.4 ms as a float32 MatMul)
+FLOAT32_ACTIVATION_BITS = (4,)
+
+
+def _quantize(file: Path, name: str, model, nbits: dict, exit_layer: int, num_layers: int, accuracy_level: int) -> dict:
+    """Rewrite one exported graph onto MatMulNBits; every linear layer of the graph must have been replaced (but
+    8-bit ones at float32 activations, which stay float32 MatMuls over their exact dequantization)."""
+    from kangaroo_backends.gguf_nbits import quantize_graph
+
+    layers = {"shallow": range(exit_layer), "deep": range(exit_layer, num_layers), "head": ()}[name]
+    wanted = {n: w for n, w in nbits.items()
+              if (name == "head" and n == "lm_head.weight") or any(n.startswith(f"model.layers.{i}.") for i in layers)}
+    expected = 1 if name == "head" else 7 * len(layers)
+    if len(wanted) != expected:
+        raise OnnxExportError(f"the GGUF file has {len(wanted)} of the {expected} linear weights of the {name} graph")
+    kept = {n: w.gguf_type for n, w in wanted.items() if accuracy_level <= 1 and w.bits not in FLOAT32_ACTIVATION_BITS}
+    wanted = {n: w for n, w in wanted.items() if n not in kept}
+    done = quantize_graph(file, model, wanted, accuracy_level=accuracy_level) if wanted else {"replaced": 0, "types": {}}
+    if done["replaced"] != len(wanted):
+        raise OnnxExportError(f"only {done['replaced']} of the {name} graph's {len(wanted)} linear layers were found "
+                              "in the exported graph; export refused")
+    return {**done, "accuracy_level": int(accuracy_level), "kept_float32": kept}
 
 
 @contextlib.contextmanager

@@ -13,12 +13,14 @@ from typing import Any
 
 import torch
 
+from kangaroo_backends.fast_layers import fast_layers
 from kangaroo_backends.kv_cache import KVCache, causal_mask
 from kangaroo_backends.loading import load_model
 from kangaroo_core.config import ConfigError, DecodeConfig
 from kangaroo_core.hookspecs import hookimpl
 from kangaroo_core.interfaces import Backend, DeepOutput
 
+KERNELS = ("auto", "small-batch", "plain")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -60,44 +62,76 @@ def check_start(what: str, start: int, length: int) -> None:
         raise RuntimeError(f"{what}: asked to write at position {start}, but the cache holds {length} positions")
 
 
+def choose_kernel(kernels: str, dtype: torch.dtype, device: torch.device):
+    """The small-batch kernel for ``kernels`` (None: plain linears); "small-batch" insists, "auto" falls back."""
+    if kernels == "plain":
+        return None
+    from kangaroo_backends.native import small_batch_kernel
+
+    usable = device.type == "cpu" and dtype == torch.float32
+    kernel, why = small_batch_kernel() if usable else (None, "it runs float32 on CPU only")
+    if kernel is None and kernels == "small-batch":
+        raise ConfigError(f"kernels=small-batch is unavailable: {why}; use kernels=plain")
+    return kernel
+
+
 class TorchBackend(Backend):
-    """The target model in eager PyTorch (CPU or CUDA)."""
+    """The target model in eager PyTorch (CPU or CUDA).
+
+    ``kernels`` picks how multi-position passes run: ``"auto"`` (default) uses the backend's own view of the layers
+    (:mod:`kangaroo_backends.fast_layers`: the small-batch verify kernel on CPU float32, grouped-query attention
+    everywhere) so verifying n <= 8 positions costs about one forward; ``"plain"`` runs transformers' layers as they
+    are; ``"small-batch"`` is "auto" that refuses to fall back.
+    """
 
     name = "torch"
     runtime = "torch"
 
-    def __init__(self, model, tokenizer, exit_layer: int, model_name: str = "model"):
+    def __init__(self, model, tokenizer, exit_layer: int, model_name: str = "model", kernels: str = "auto"):
         config = model.config
+        if kernels not in KERNELS:
+            raise ConfigError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
         describe_split_model(self, model, tokenizer, exit_layer, model_name)
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
+        self.kernels = kernels
         inner = model.model
         self.embed_tokens = inner.embed_tokens
         self.rotary_emb = inner.rotary_emb
-        self.shallow_layers = inner.layers[:exit_layer]
-        self.deep_layers = inner.layers[exit_layer:]
+        layers, self.lm_head = inner.layers, model.lm_head
+        if kernels != "plain":
+            kernel = choose_kernel(kernels, self.dtype, self.device)
+            layers = fast_layers(inner.layers, kernel, config)
+            self.lm_head = fast_layers([model.lm_head], kernel, config)[0]
+            self.kernels = "small-batch" if kernel is not None else "grouped-attention"
+        self.shallow_layers = layers[:exit_layer]
+        self.deep_layers = layers[exit_layer:]
         self.final_norm = inner.norm
-        self.lm_head = model.lm_head
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.cache = KVCache(self.num_layers, config.num_key_value_heads, head_dim, self.dtype, device=self.device)
 
     @classmethod
-    def create(cls, config: DecodeConfig, model: Any = None, dtype: str = "float32", **options: Any) -> "TorchBackend":
+    def create(cls, config: DecodeConfig, model: Any = None, dtype: str = "float32", kernels: str = "auto",
+               **options: Any) -> "TorchBackend":
         if options:
-            raise ConfigError(f"unknown torch backend option(s): {', '.join(sorted(options))}; valid options: model, dtype")
+            raise ConfigError(f"unknown torch backend option(s): {', '.join(sorted(options))}; "
+                              "valid options: model, dtype, kernels")
         if dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        if kernels not in KERNELS:
+            raise ConfigError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
         loaded, tokenizer, name = load_model(model, dtype=DTYPES[dtype])
-        return cls(loaded, tokenizer, config.exit_layer, name)
+        return cls(loaded, tokenizer, config.exit_layer, name, kernels=kernels)
 
     def base_model(self):
         return self.model
 
     def shared_head(self):
-        return self.lm_head
+        return self.model.lm_head  # the model's own module (drafters read its weight)
 
     def resplit(self, exit_layer: int) -> "TorchBackend":
-        return type(self)(self.model, self.tokenizer, exit_layer, self.model_name)
+        kernels = "plain" if self.kernels == "plain" else "auto"
+        return type(self)(self.model, self.tokenizer, exit_layer, self.model_name, kernels=kernels)
 
     # -- cache: one KVCache for all layers (global layer indices); M[:l] runs ahead of M[l:] while drafting ---------
     def reset(self) -> None:

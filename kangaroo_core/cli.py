@@ -9,6 +9,7 @@ import json
 import os
 import shlex
 import sys
+from pathlib import Path
 
 import attrs
 import click
@@ -443,15 +444,27 @@ def analyze_policies_command(questions_file, out_dir, policies, limit_per_subtas
 @click.option("--opset", type=int, default=17, show_default=True, help="ONNX opset.")
 @click.option("--tolerance", type=float, default=1e-4, show_default=True,
               help="Refuse the export if a graph differs from eager by more than this times max(1, max |eager output|).")
-def export_onnx_command(out, model, exit_layer, threads, adapter, opset, tolerance) -> None:
+@click.option("--weights", type=click.Choice(["float32", "gguf"]), default="float32", show_default=True,
+              help="gguf: linear layers as MatMulNBits over the GGUF file's own blocks (--model must be a GGUF file).")
+@click.option("--accuracy-level", type=click.IntRange(0, 4), default=1, show_default=True,
+              help="With --weights gguf: MatMulNBits accuracy level; 1 float32 activations, 4 int8 activations (lossy).")
+def export_onnx_command(out, model, exit_layer, threads, adapter, opset, tolerance, weights, accuracy_level) -> None:
     """Export shallow M[:l], deep M[l:] and the head to ONNX (+ the Kangaroo adapter's graph), validated against eager."""
     from kangaroo_backends.onnx_export import export_onnx, import_onnxruntime
 
     import_onnxruntime()
     check_out_dir(out)
     backend = EngineOptions(model=model, exit_layer=exit_layer, threads=threads).backend()  # torch: the weights to export
+    gguf_path = None
+    if weights == "gguf":
+        from kangaroo_backends.loading import gguf_source
+
+        gguf_path = gguf_source(backend.base_model())
+        if gguf_path is None:
+            raise UsageError("--weights gguf needs --model to be a GGUF file (or the default SmolLM2 GGUF)")
     manifest = export_onnx(backend.base_model(), out, exit_layer=exit_layer, fingerprint=backend.fingerprint,
-                           model_name=backend.model_name, opset=opset, tolerance=tolerance)
+                           model_name=backend.model_name, opset=opset, tolerance=tolerance, weights=weights,
+                           gguf_path=gguf_path, accuracy_level=accuracy_level)
     for graph, entry in manifest["graphs"].items():
         check = entry["validation"]
         _eprint(f"[{graph}] {entry['file']}: max |onnx - eager| {check['max_abs_diff']:.2e} (tolerance {check['tolerance']:.2e})")
@@ -531,6 +544,50 @@ def _print_corpus(summary: dict) -> None:
         rate = e["answer_tokens"] / e["generation_seconds"] if e["generation_seconds"] else 0.0
         click.echo(f"  {split:<8} {e['shards']:>4} shards {e['prompts']:>6} prompts {e['answer_tokens']:>9} answer "
                    f"tokens ({rate:.1f} answer tokens/s while generating)")
+
+
+@cli.command()
+@engine_options
+@click.option("--context", type=int, default=300, show_default=True, help="Tokens already in the cache.")
+@click.option("--positions", default="1,2,3,4,6,8,12,16", show_default=True,
+              help="Comma-separated numbers of new positions per pass.")
+@click.option("--repeats", type=int, default=15, show_default=True, help="Timings per size (the median is shown).")
+@click.option("--compare-plain", is_flag=True, help="torch: also measure --kernels plain on the same model, for the before/after curve.")
+@click.option("--out", "out_file", default=None, help="Also write the curve(s) as JSON here.")
+@click.option("--plot", "plot_file", default=None, help="Also plot the curve(s) to this PNG.")
+def profile(opts: EngineOptions, context, positions, repeats, compare_plain, out_file, plot_file) -> None:
+    """The backend's measured cost model: a pass over n new positions vs one, and one draft step."""
+    from tqdm import tqdm
+
+    from kangaroo_core.bench.cost_model import measure_costs, plot_curves
+
+    sizes = _int_list(positions, "--positions")
+    if not sizes or min(sizes) < 1:
+        raise UsageError("--positions must be positive integers")
+    if repeats < 1:
+        raise UsageError(f"--repeats must be >= 1, got {repeats}")
+    engine = opts.engine()
+    backends = [engine.backend]
+    if compare_plain:
+        if engine.backend.name != "torch":
+            raise UsageError("--compare-plain applies to the torch backend")
+        from kangaroo_backends.torch_eager import TorchBackend
+
+        b = engine.backend
+        backends.append(TorchBackend(b.model, b.tokenizer, b.exit_layer, b.model_name, kernels="plain"))
+    curves = []
+    for backend in backends:
+        with tqdm(total=repeats, desc=f"profile {backend.name}:{getattr(backend, 'kernels', '')}", unit="repeat",
+                  file=sys.stderr, leave=False) as bar:
+            drafter = engine.drafter if backend is engine.backend else None
+            curves.append(measure_costs(backend, drafter, context=context, positions=sizes, repeats=repeats,
+                                        progress=bar.update))
+    for curve in curves:
+        click.echo(curve.table() + "\n")
+    if out_file:
+        Path(out_file).write_text(json.dumps([c.as_dict() for c in curves], indent=2) + "\n")
+    if plot_file:
+        plot_curves(curves, plot_file)
 
 
 @cli.command()

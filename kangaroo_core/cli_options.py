@@ -75,8 +75,11 @@ class EngineOptions:
     verifier: str = "auto"
     backend_name: str = "torch"
     dtype: str = "float32"
+    kernels: str = "auto"
     provider: str | None = None
     onnx_dir: str | None = None
+    onnx_weights: str = "float32"
+    onnx_accuracy_level: int | None = None
     threads: int | None = None
     temperature: float = 0.0
     top_k: int = 0
@@ -100,10 +103,16 @@ class EngineOptions:
         options: dict[str, Any] = {"model": self.model}
         if self.dtype != "float32":
             options["dtype"] = self.dtype
+        if self.kernels != "auto":
+            options["kernels"] = self.kernels
         if self.provider is not None:
             options["provider"] = self.provider
         if self.onnx_dir is not None:
             options["bundle"] = self.onnx_dir
+        if self.onnx_weights != "float32":
+            options["weights"] = self.onnx_weights
+        if self.onnx_accuracy_level is not None:
+            options["accuracy_level"] = self.onnx_accuracy_level
         return options
 
     def backend(self, config: DecodeConfig | None = None):
@@ -174,10 +183,20 @@ _SHARED = [
                  help="Verifier plugin; auto: greedy at temperature 0, speculative (rejection sampling) otherwise."),
     click.option("--backend", "backend_name", default="torch", show_default=True, help="Backend plugin."),
     click.option("--dtype", default="float32", show_default=True, help="Model dtype for the torch backend."),
+    click.option("--kernels", default="auto", show_default=True, type=click.Choice(["auto", "small-batch", "plain"]),
+                 help="torch backend: how multi-position (verify) passes run. auto: the small-batch verify kernel on "
+                      "CPU float32 (built once with the C compiler) + grouped attention; plain: transformers' layers "
+                      "as they are; small-batch: auto, refusing to fall back."),
     click.option("--provider", default=None, type=click.Choice(["auto", "cpu", "cuda"]),
                  help="onnx backend: onnxruntime execution provider (default auto: CUDA when available, else CPU)."),
     click.option("--onnx-dir", default=None,
                  help="onnx backend: a directory from `kangaroo export-onnx` (default: export once into the cache)."),
+    click.option("--onnx-weights", default="float32", show_default=True, type=click.Choice(["float32", "gguf"]),
+                 help="onnx backend: gguf runs every linear layer as MatMulNBits over the GGUF file's own 4/8-bit "
+                      "blocks (the weights transformers dequantizes from the file; float32 activations)."),
+    click.option("--onnx-accuracy-level", type=click.IntRange(0, 4), default=None,
+                 help="onnx --onnx-weights gguf: MatMulNBits accuracy level. 1 (default) float32 activations; 4 int8 "
+                      "activations (faster; lossy vs transformers, still lossless vs this backend's target alone)."),
     click.option("--temperature", type=float, default=0.0, show_default=True, help="0: greedy; > 0: sample."),
     click.option("--top-k", type=int, default=0, show_default=True, help="Sample from the k most likely tokens (0: off)."),
     click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass in (0, 1] (1: off)."),

@@ -95,6 +95,8 @@ class Engine:
                 f"the {verifier.name or type(verifier).__name__} verifier is only lossless at temperature 0, got "
                 f"temperature={config.sampling.temperature}; use the speculative verifier (or auto)"
             )
+        if drafter is not None and getattr(backend, "inexact_multi_position", None):
+            raise ConfigError(f"drafting on this backend would not be lossless: {backend.inexact_multi_position}")
         self.backend, self.drafter, self.policy, self.verifier, self.config = backend, drafter, policy, verifier, config
         if drafter is not None:
             drafter.bind(backend)

@@ -106,17 +106,21 @@ class _OnnxEngine:
     """Mixin: the method's engine runs on an ``onnx`` backend sharing the bench's loaded model."""
 
     provider = "auto"
+    weights = "float32"  # "gguf": the GGUF file's own blocks as MatMulNBits (float32 activations)
 
     def onnx_backend(self, context: BenchContext):
         from kangaroo_backends.onnx_backend import OnnxBackend
 
         base = context.backend
-        if base.runtime == "onnxruntime":
+        if base.runtime == "onnxruntime" and getattr(base, "weights", "float32") == self.weights:
             return base
         if context.model is None:
             raise KangarooError(f"{self.name} needs a backend holding the transformers model to export")
-        return OnnxBackend(context.model, context.tokenizer, base.exit_layer, base.model_name, provider=self.provider,
-                           threads=_threads())
+        cache = context.__dict__.setdefault("_onnx_backends", {})  # one backend (and export) per weights, shared
+        if self.weights not in cache:
+            cache[self.weights] = OnnxBackend(context.model, context.tokenizer, base.exit_layer, base.model_name,
+                                              provider=self.provider, threads=_threads(), weights=self.weights)
+        return cache[self.weights]
 
 
 class VanillaOnnx(_OnnxEngine, EngineMethod):
@@ -150,8 +154,26 @@ class KangarooOnnx(_OnnxEngine, KangarooMethod):
                               policy=self.policy, policy_options=self.policy_options)
 
 
+class VanillaOnnxGguf(VanillaOnnx):
+    """The target alone on onnxruntime with the GGUF file's own 4/8-bit weights (MatMulNBits, float32 activations)."""
+
+    name = "vanilla_onnx_gguf"
+    rank = 8
+    weights = "gguf"
+
+
+class KangarooOnnxGguf(KangarooOnnx):
+    """Kangaroo on onnxruntime with the GGUF file's own 4/8-bit weights (the adapter graph stays float32)."""
+
+    name = "kangaroo_onnx_gguf"
+    rank = 9
+    weights = "gguf"
+
+
 @hookimpl
 def register_bench_methods(register):
     register("ort_vanilla", ORTVanilla)
     register("vanilla_onnx", VanillaOnnx)
     register("kangaroo_onnx", KangarooOnnx)
+    register("vanilla_onnx_gguf", VanillaOnnxGguf)
+    register("kangaroo_onnx_gguf", KangarooOnnxGguf)

@@ -12,7 +12,9 @@ features with the index advanced by one (confidence is strongly autocorrelated a
 pass). Defaults: ``value_of_token=1.0``, ``draft_cost=0.3``: MEASURED for SmolLM2-135M at exit layer 2 on a 2-core
 CPU with the torch backend by ``kangaroo analyze-policies`` — a draft step costs 0.11 of a one-position verify and the
 extra verified position 0.19 more (``marginal_draft_cost`` 0.30; 0.18 on onnxruntime). Other models, backends and
-machines differ: pass the ``marginal_draft_cost`` that command prints.
+machines differ: pass the ``marginal_draft_cost`` that command prints, or ``draft_cost=measured`` to have the policy
+measure it on the engine's own backend when it first runs (:func:`kangaroo_core.bench.cost_model.measure_costs`: one
+draft step plus one more verified position, in units of a one-position pass; about a second).
 """
 
 from __future__ import annotations
@@ -32,7 +34,12 @@ class LearnedPolicy(StoppingPolicy):
     name = "learned"
 
     def __init__(self, predictor: AcceptancePredictor | str | None = None, value_of_token: float = 1.0,
-                 draft_cost: float = 0.3):
+                 draft_cost: float | str = 0.3):
+        self.measure_draft_cost = draft_cost == "measured"
+        if self.measure_draft_cost:
+            draft_cost = 0.3  # replaced by the measurement when the policy first runs
+        if not isinstance(draft_cost, (int, float)):
+            raise ConfigError(f"learned policy: draft_cost must be a number or 'measured', got {draft_cost!r}")
         if value_of_token <= 0 or draft_cost < 0:
             raise ConfigError(f"learned policy: value_of_token must be > 0 and draft_cost >= 0, got {value_of_token}, {draft_cost}")
         self.predictor_path = predictor if isinstance(predictor, str) else None
@@ -45,8 +52,12 @@ class LearnedPolicy(StoppingPolicy):
     def create(cls, config: DecodeConfig, **options: Any) -> "LearnedPolicy":
         options.setdefault("predictor", None)  # None: the predictor shipped with the drafter's adapter
         for key in ("value_of_token", "draft_cost"):
-            if key in options:
-                options[key] = float(options[key])
+            if key in options and not (key == "draft_cost" and options[key] == "measured"):
+                try:
+                    options[key] = float(options[key])
+                except (TypeError, ValueError):
+                    raise ConfigError(f"learned policy: {key} must be a number{' or measured' if key == 'draft_cost' else ''}, "
+                                      f"got {options[key]!r}") from None
         return cls(**options)
 
     def bind(self, backend: Backend) -> None:
@@ -58,7 +69,11 @@ class LearnedPolicy(StoppingPolicy):
 
     def prepare(self, engine: Any, prompt_ids, max_new_tokens: int) -> None:
         """Without a predictor option: load the one shipped with the drafter's adapter (its ``default_predictor``
-        directory), once; a drafter without one is refused in one line."""
+        directory), once; a drafter without one is refused in one line. With ``draft_cost=measured``, measure it
+        once on this backend."""
+        if self.measure_draft_cost:
+            self.draft_cost = measured_draft_cost(engine.backend, engine.drafter)
+            self.measure_draft_cost = False
         if self.predictor is not None:
             return
         directory = getattr(engine.drafter, "default_predictor", None)
@@ -88,3 +103,13 @@ class LearnedPolicy(StoppingPolicy):
 @hookimpl
 def register_policies(register):
     register("learned", LearnedPolicy)
+
+
+def measured_draft_cost(backend: Backend, drafter: Any) -> float:
+    """(one draft step + one more verified position) / a one-position pass, measured on ``backend`` now."""
+    from kangaroo_core.bench.cost_model import measure_costs
+
+    context = max(1, min(300, backend.max_context // 2))
+    curve = measure_costs(backend, drafter, context=context, positions=(1, 2), repeats=7)
+    one, two = curve.verify_ms
+    return max(0.0, (curve.draft_step_ms + max(0.0, two - one)) / one)

@@ -12,8 +12,8 @@ from plugin_fixtures import (BROKEN_ON_IMPORT, DUPLICATE_THRESHOLD, ENTROPY_POLI
                              install_fake_distribution)
 
 BUILTINS = {"backend": ["onnx", "torch"], "drafter": ["kangaroo", "kangaroo-hybrid"], "policy": ["adaptive", "fixed", "learned", "oracle", "threshold"], "verifier": ["greedy", "speculative"],
-            "bench_method": ["hf_early_exit", "hf_prompt_lookup", "hf_vanilla", "kangaroo", "kangaroo_hybrid", "kangaroo_onnx", "ort_vanilla",
-                             "vanilla", "vanilla_onnx"]}
+            "bench_method": ["hf_early_exit", "hf_prompt_lookup", "hf_vanilla", "kangaroo", "kangaroo_hybrid", "kangaroo_onnx",
+                             "kangaroo_onnx_gguf", "llama_cpp", "ort_vanilla", "vanilla", "vanilla_onnx", "vanilla_onnx_gguf"]}
 
 
 def builtin_names(registry, kind):

@@ -296,3 +296,16 @@ def test_generate_with_every_policy_from_the_cli(tiny_model_dir, capsys):
         assert main(["generate", "t", "--model", str(tiny_model_dir), "--adapter", "untrained", "--max-new-tokens", "6",
                      "--policy", policy, "--json"]) == 0, capsys.readouterr().err
         assert json.loads(capsys.readouterr().out)["token_ids"] == alone, policy
+
+
+def test_learned_draft_cost_can_be_measured_on_the_backend():
+    model = tiny_llama(3, vocab=48, hidden=16, layers=2, heads=2, kv_heads=1)
+    backend = tiny_backend(model, exit_layer=1)
+    policy = LearnedPolicy.create(DecodeConfig(exit_layer=1), predictor=constant_predictor(0.9), draft_cost="measured")
+    assert policy.measure_draft_cost
+    prompt = [1, 2, 3]
+    result = Engine(backend, KangarooDrafter(), policy, GreedyVerifier(), DecodeConfig(exit_layer=1, max_new_tokens=8)).generate_ids(prompt)
+    assert result.token_ids == hf_greedy(model, prompt, 8)  # measuring first leaves nothing behind in the caches
+    assert not policy.measure_draft_cost and 0.0 < policy.draft_cost != 0.3
+    with pytest.raises(ConfigError, match="draft_cost must be a number or measured"):
+        LearnedPolicy.create(DecodeConfig(), predictor=constant_predictor(0.9), draft_cost="cheap")

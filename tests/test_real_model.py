@@ -101,8 +101,8 @@ def test_greedy_identity_with_transformers(smollm, references, combo_index):
     assert result.num_rounds >= 1 and 1.0 <= result.mean_accepted_tokens <= gamma + 1
 
 
-@pytest.mark.parametrize("exit_layer", (1, 2, 4))
-def test_many_accepted_drafts_on_the_real_model(smollm, references, exit_layer):
+@pytest.mark.parametrize("exit_layer,kernels", [(1, "auto"), (2, "auto"), (4, "auto"), (2, "plain")])
+def test_many_accepted_drafts_on_the_real_model(smollm, references, exit_layer, kernels):
     """With drafts that are mostly right (the target's own continuation, wrong at random places), verification
     really checks up to gamma positions per pass and the phase-5 reuse runs; output must still be the target's."""
     import random
@@ -110,7 +110,8 @@ def test_many_accepted_drafts_on_the_real_model(smollm, references, exit_layer):
     from kangaroo_core.testing import ScriptedDrafter, error_positions
 
     model, tokenizer, name = smollm
-    backend = TorchBackend(model, tokenizer, exit_layer, name)
+    backend = TorchBackend(model, tokenizer, exit_layer, name, kernels=kernels)
+    assert backend.kernels in (("small-batch", "grouped-attention") if kernels == "auto" else ("plain",))
     rng = random.Random(exit_layer)
     for prompt in PROMPTS[exit_layer::4]:
         prompt_ids, reference = references[prompt]
@@ -122,3 +123,24 @@ def test_many_accepted_drafts_on_the_real_model(smollm, references, exit_layer):
         assert_identical_or_near_tie(model, prompt_ids, reference, result.token_ids, backend.eos_token_ids,
                                      f"scripted l={exit_layer} prompt={prompt!r}")
         assert result.mean_accepted_tokens > 2.0  # most drafts were accepted, so multi-position verify really ran
+
+
+def test_the_gguf_file_s_own_4_bit_weights_on_onnxruntime(smollm, references):
+    """The 4-bit onnx backend (MatMulNBits over the GGUF blocks, float32 activations): Kangaroo with the shipped
+    adapter is token-identical to that backend's target alone; it computes transformers' weights, so it also matches
+    transformers' float32 greedy output up to near-ties."""
+    pytest.importorskip("onnxruntime")
+    from kangaroo_backends.onnx_backend import OnnxBackend
+
+    model, tokenizer, name = smollm
+    backend = OnnxBackend(model, tokenizer, 2, name, provider="cpu", weights="gguf", quiet=True)
+    config = DecodeConfig(exit_layer=2, max_new_tokens=NEW_TOKENS)
+    for prompt in PROMPTS[:3]:
+        prompt_ids, reference = references[prompt]
+        alone = Engine(backend, None, ThresholdPolicy(), GreedyVerifier(), config).generate_ids(prompt_ids)
+        drafted = Engine(backend, KangarooDrafter(), ThresholdPolicy(), GreedyVerifier(), config).generate_ids(prompt_ids)
+        assert drafted.token_ids == alone.token_ids, prompt
+        assert drafted.mean_accepted_tokens > 1.2
+        assert_identical_or_near_tie(model, prompt_ids, reference, alone.token_ids, backend.eos_token_ids,
+                                     f"gguf onnx prompt={prompt!r}")
+    assert backend.manifest["weights"]["format"] == "gguf-matmulnbits"

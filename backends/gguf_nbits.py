@@ -1,0 +1,220 @@
+"""The GGUF file's own quantized blocks as onnxruntime ``MatMulNBits`` weights (no re-quantization).
+
+``MatMulNBits`` (com.microsoft) multiplies activations [.., K] by a weight stored per output row n as ``K / block``
+blocks of ``bits``-bit codes q with one scale s and zero point z per block: w = (q − z) · s. GGUF's formats map onto
+it block for block (both use blocks of 32 along K):
+
+* ``Q4_1`` (d, m, 32 × 4-bit q; w = d·q + m): 4-bit codes as they are, s = d, z = 0, and the block minimum as a
+  separate term: x·w = Σ_blocks d·(q·x_b) + m·Σ x_b, i.e. ``MatMulNBits(x) + MatMul(block sums of x, m)`` (a float
+  zero point z = −m/d would fold it in, but sends onnxruntime 1.32 down a path ~10× slower than integer ones);
+* ``Q4_0`` (d, 32 × 4-bit q; w = d·(q − 8)): 4-bit codes, s = d, z = 8;
+* ``Q8_0`` (d, 32 × int8 q; w = d·q): 8-bit codes q + 128, s = d, z = 128 (exact).
+
+transformers dequantizes the same blocks to float32 (``gguf.dequantize``: d·q + m); the rewritten graph uses exactly
+those d·q (a 4-bit integer times a half-precision scale is exact in float32) and m, summed in another order (asserted
+in the tests).
+Llama's q/k rows are stored permuted for llama.cpp's rotary layout; the same row permutation transformers undoes is
+applied to the blocks. Any other quantization type raises :class:`UnsupportedQuantization`, naming it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+import numpy as np
+
+from kangaroo_core.errors import KangarooError
+
+BLOCK = 32
+SUPPORTED = ("Q4_0", "Q4_1", "Q8_0")
+
+
+class UnsupportedQuantization(KangarooError):
+    """A GGUF tensor in a format the MatMulNBits exporter does not map exactly."""
+
+
+@attrs.frozen(eq=False)
+class NBitsWeight:
+    """One [N, K] weight in MatMulNBits form: ``codes`` [N, K/32, 32·bits/8] uint8, ``scales`` [N · K/32] float32,
+    ``zero_points`` packed uint8 (None: the format's default, 2^(bits−1)), ``mins`` [N, K/32] float32 or None (Q4_1's
+    per-block minimum m, added as m·Σ x over the block)."""
+
+    name: str
+    gguf_type: str
+    bits: int
+    n: int
+    k: int
+    codes: np.ndarray
+    scales: np.ndarray
+    zero_points: np.ndarray | None
+    mins: np.ndarray | None = None
+
+    @property
+    def blocks(self) -> int:
+        return self.k // BLOCK
+
+    def dequantize(self) -> np.ndarray:
+        """The [N, K] float32 weight the rewritten graph computes with, (q − z) · s (+ m) (for tests and checks)."""
+        q = self.codes.astype(np.int32)
+        if self.bits == 4:
+            q = np.stack([q & 0xF, q >> 4], axis=-1).reshape(self.n, self.blocks, BLOCK)
+        z = np.float32(2 ** (self.bits - 1))
+        if self.zero_points is not None:  # packed like the codes: two 4-bit zero points per byte, low nibble first
+            zp = self.zero_points.reshape(self.n, -1).astype(np.int32)
+            z = np.stack([zp & 0xF, zp >> 4], axis=-1).reshape(self.n, -1)[:, : self.blocks, None].astype(np.float32)
+        w = (q.astype(np.float32) - z) * self.scales.reshape(self.n, self.blocks, 1)
+        if self.mins is not None:
+            w = w + self.mins[..., None]
+        return w.reshape(self.n, self.k)
+
+
+def _halves(raw: np.ndarray, start: int) -> np.ndarray:
+    return raw[..., start:start + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _pack4(q: np.ndarray) -> np.ndarray:
+    """[.., 32] codes 0..15 in element order → [.., 16] bytes, element 2i in the low nibble (MatMulNBits' order)."""
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+
+
+def from_gguf_blocks(name: str, gguf_type: str, raw: np.ndarray, n: int, k: int) -> NBitsWeight:
+    """Map one GGUF tensor's raw blocks ([N, bytes per row] uint8) onto MatMulNBits."""
+    if gguf_type not in SUPPORTED:
+        raise UnsupportedQuantization(f"GGUF tensor {name} is {gguf_type}; the 4-bit ONNX export maps "
+                                      f"{', '.join(SUPPORTED)} only")
+    if k % BLOCK:
+        raise UnsupportedQuantization(f"GGUF tensor {name}: K = {k} is not a multiple of {BLOCK}")
+    blocks = k // BLOCK
+    if gguf_type == "Q8_0":
+        b = raw.reshape(n, blocks, 34)
+        scales = _halves(b, 0)
+        codes = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return NBitsWeight(name, gguf_type, 8, n, k, codes, scales.reshape(-1), None)
+    if gguf_type == "Q4_0":
+        b = raw.reshape(n, blocks, 18)
+        scales, qs = _halves(b, 0), b[..., 2:]
+        q = np.concatenate([qs & 0xF, qs >> 4], axis=-1)  # ggml: low nibbles are elements 0..15, high 16..31
+        return NBitsWeight(name, gguf_type, 4, n, k, _pack4(q), scales.reshape(-1), None)
+    b = raw.reshape(n, blocks, 20)  # Q4_1
+    d, m, qs = _halves(b, 0), _halves(b, 2), b[..., 4:]
+    q = np.concatenate([qs & 0xF, qs >> 4], axis=-1)
+    zero = np.zeros(n * ((blocks + 1) // 2), dtype=np.uint8)  # z = 0 for every block (4-bit, two per byte)
+    return NBitsWeight(name, gguf_type, 4, n, k, _pack4(q), d.reshape(-1), zero, m)
+
+
+def _reverse_permute_rows(n_rows: int, heads: int) -> np.ndarray:
+    """Row order transformers applies to llama q/k weights read from GGUF (``_reverse_permute_weights``)."""
+    dim = n_rows // heads // 2
+    return np.arange(n_rows).reshape(heads, dim, 2).swapaxes(2, 1).reshape(-1)
+
+
+def _permuted(weight: NBitsWeight, order: np.ndarray) -> NBitsWeight:
+    blocks = weight.k // BLOCK
+
+    def rows(a):
+        return None if a is None else a.reshape(weight.n, blocks)[order].reshape(-1)
+
+    return attrs.evolve(weight, codes=weight.codes[order], scales=rows(weight.scales),
+                        zero_points=None if weight.zero_points is None
+                        else weight.zero_points.reshape(weight.n, -1)[order].reshape(-1),
+                        mins=None if weight.mins is None else weight.mins[order])
+
+
+LLAMA_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+               "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+               "ffn_down": "mlp.down_proj"}
+
+
+def read_linear_weights(gguf_path: str | Path, config) -> dict[str, NBitsWeight]:
+    """Every linear weight of a Llama GGUF file by its transformers parameter name (``lm_head.weight`` from
+    ``output.weight``, or from the tied ``token_embd.weight``), in MatMulNBits form."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_path))
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    out: dict[str, NBitsWeight] = {}
+    tensors = {t.name: t for t in reader.tensors}
+    for tname, tensor in tensors.items():
+        parts = tname.split(".")
+        if parts[0] == "blk" and parts[2] in LLAMA_NAMES:
+            hf = f"model.layers.{parts[1]}.{LLAMA_NAMES[parts[2]]}.weight"
+        elif tname == "output.weight" or (tname == "token_embd.weight" and "output.weight" not in tensors):
+            hf = "lm_head.weight"
+        else:
+            continue
+        k, n = (int(x) for x in tensor.shape[:2])  # GGUF lists dims innermost first: [K, N]
+        weight = from_gguf_blocks(tname, tensor.tensor_type.name, np.asarray(tensor.data), n, k)
+        if parts[-2] in ("attn_q", "attn_k"):
+            weight = _permuted(weight, _reverse_permute_rows(n, heads if parts[-2] == "attn_q" else kv_heads))
+        out[hf] = weight
+    return out
+
+
+# -- rewriting an exported float32 graph ----------------------------------------------------------------------------
+def _digest(array: np.ndarray) -> str:
+    import hashlib
+
+    return hashlib.sha256(np.ascontiguousarray(array, dtype=np.float32).tobytes()).hexdigest()
+
+
+def quantize_graph(path: str | Path, model, weights: dict[str, NBitsWeight], *, accuracy_level: int = 0) -> dict:
+    """Replace, in the ONNX file at ``path``, every ``MatMul`` by a float32 weight of ``model`` that ``weights`` holds
+    with ``MatMulNBits`` over that weight's GGUF blocks; returns ``{"replaced": n, "types": {gguf type: n}}``.
+
+    Weights are recognised by value (torch exports ``x @ W^T`` with the transposed weight as an initializer), so the
+    rewrite needs no knowledge of the exporter's initializer names. ``accuracy_level`` 0 computes in float32 (the
+    file's weights, float32 activations); 4 quantizes activations to int8 per block (faster, lossy).
+    """
+    import onnx
+    from onnx import helper, numpy_helper
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    by_digest = {}
+    for name, weight in weights.items():
+        by_digest[_digest(params[name].detach().float().t().numpy())] = (name, weight)
+    proto = onnx.load(str(path))
+    graph = proto.graph
+    initializers = {init.name: init for init in graph.initializer}
+    counts: dict[str, int] = {}
+    new_inits, nodes = [], []
+    for node in graph.node:
+        init = initializers.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
+        found = by_digest.get(_digest(numpy_helper.to_array(init))) if init is not None and len(init.dims) == 2 else None
+        if found is None:
+            nodes.append(node)
+            continue
+        name, weight = found
+        if tuple(init.dims) != (weight.k, weight.n):
+            raise UnsupportedQuantization(f"{path}: weight {name} has shape {tuple(init.dims)} in the graph, "
+                                          f"[{weight.k}, {weight.n}] in the GGUF file")
+        stem = f"nbits.{name}"
+        new_inits += [numpy_helper.from_array(weight.codes, f"{stem}.codes"),
+                      numpy_helper.from_array(weight.scales, f"{stem}.scales")]
+        inputs = [node.input[0], f"{stem}.codes", f"{stem}.scales"]
+        if weight.zero_points is not None:
+            new_inits.append(numpy_helper.from_array(weight.zero_points, f"{stem}.zero_points"))
+            inputs.append(f"{stem}.zero_points")
+        product = list(node.output) if weight.mins is None else [f"{stem}.scaled"]
+        nodes.append(helper.make_node("MatMulNBits", inputs, product, name=f"{stem}.nbits",
+                                      domain="com.microsoft", K=weight.k, N=weight.n, bits=weight.bits,
+                                      block_size=BLOCK, accuracy_level=int(accuracy_level)))
+        if weight.mins is not None:  # + m · (sum of x over each block): [1, n, K] -> [1, n, K/32] @ [K/32, N]
+            new_inits += [numpy_helper.from_array(np.array([0, 0, weight.blocks, BLOCK], dtype=np.int64), f"{stem}.split"),
+                          numpy_helper.from_array(np.array([-1], dtype=np.int64), f"{stem}.last"),
+                          numpy_helper.from_array(np.ascontiguousarray(weight.mins.T), f"{stem}.mins")]
+            nodes += [helper.make_node("Reshape", [node.input[0], f"{stem}.split"], [f"{stem}.blocked"]),
+                      helper.make_node("ReduceSum", [f"{stem}.blocked", f"{stem}.last"], [f"{stem}.sums"], keepdims=0),
+                      helper.make_node("MatMul", [f"{stem}.sums", f"{stem}.mins"], [f"{stem}.offset"]),
+                      helper.make_node("Add", [f"{stem}.scaled", f"{stem}.offset"], list(node.output))]
+        counts[weight.gguf_type] = counts.get(weight.gguf_type, 0) + 1
+    used = {i for node in nodes for i in node.input}
+    kept = [init for init in graph.initializer if init.name in used]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    del graph.initializer[:]
+    graph.initializer.extend(kept + new_inits)
+    if not any(op.domain == "com.microsoft" for op in proto.opset_import):
+        proto.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    onnx.save(proto, str(path))
+    return {"replaced": sum(counts.values()), "types": counts}

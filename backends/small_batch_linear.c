@@ -1,0 +1,89 @@
+/* y[n, out] = x[n, in] @ w[out, in]^T for 1 <= n <= 8 rows, fp32, reading w once (kangaroo's verify kernel).
+ *
+ * Why: a verify pass multiplies a handful of positions by every weight matrix. BLAS treats n = 1 as a matrix-vector
+ * product (memory-bound, fast) but n >= 2 as a general GEMM that re-packs the weights on every call; on a CPU this
+ * made a two-position forward cost 1.7 one-position forwards. Here the weights stay in their own [out, in] layout
+ * (shared with the model, never copied) and stream through once; the n rows of x sit in L1; a software prefetch keeps
+ * the weight stream ahead of the arithmetic. With n <= 8 the FMAs hide under the memory traffic, so n positions
+ * cost about as much as one.
+ *
+ * Every output element is computed in the same order whatever n is (16-lane partial sums over `in`, then one fixed
+ * reduction tree), so a row's result does not depend on how many other rows came with it.
+ * Built at first use by kangaroo_backends.native with the system C compiler; never required (plain path otherwise).
+ */
+#include <string.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+/* how far ahead of the current weight element the stream is prefetched (floats; ~18 KB, measured on 576-wide rows) */
+#define PREFETCH 4608
+
+static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
+
+static inline float hsum16(v16 v) {
+    v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* Output rows r0..r1 for NP input rows, R weight rows at a time (R streams in flight; R*NP accumulators). The
+ * arithmetic per output element is the same in the full-block and the remainder branch. */
+#define KERNEL(NP, R)                                                                                     \
+static void rows_##NP(const float *x, const float *w, float *y, long in, long out, long r0, long r1) {    \
+    for (long r = r0; r < r1; r += R) {                                                                   \
+        long m = r1 - r < R ? r1 - r : R;                                                                 \
+        v16 acc[R][NP];                                                                                   \
+        for (int j = 0; j < R; j++)                                                                       \
+            for (int p = 0; p < NP; p++) acc[j][p] = (v16){0};                                            \
+        long k = 0;                                                                                       \
+        if (m == R) {                                                                                     \
+            for (; k + 16 <= in; k += 16) {                                                               \
+                v16 u[R];                                                                                 \
+                for (int j = 0; j < R; j++) {                                                             \
+                    __builtin_prefetch(w + (r + j) * in + k + PREFETCH);                                  \
+                    u[j] = load16(w + (r + j) * in + k);                                                  \
+                }                                                                                         \
+                for (int p = 0; p < NP; p++) {                                                            \
+                    v16 xv = load16(x + p * in + k);                                                      \
+                    for (int j = 0; j < R; j++) acc[j][p] += u[j] * xv;                                   \
+                }                                                                                         \
+            }                                                                                             \
+        } else {                                                                                          \
+            for (; k + 16 <= in; k += 16)                                                                 \
+                for (int j = 0; j < m; j++) {                                                             \
+                    v16 u = load16(w + (r + j) * in + k);                                                 \
+                    for (int p = 0; p < NP; p++) acc[j][p] += u * load16(x + p * in + k);                 \
+                }                                                                                         \
+        }                                                                                                 \
+        for (int j = 0; j < m; j++)                                                                       \
+            for (int p = 0; p < NP; p++) {                                                                \
+                const float *wr = w + (r + j) * in;                                                       \
+                float s = hsum16(acc[j][p]);                                                              \
+                for (long t = k; t < in; t++) s += wr[t] * x[p * in + t];                                 \
+                y[p * out + r + j] = s;                                                                   \
+            }                                                                                             \
+    }                                                                                                     \
+}
+/* 4 weight rows per step up to 4 input rows (16 accumulators), 2 beyond (measured best on 576/1536-wide rows) */
+KERNEL(1, 4) KERNEL(2, 4) KERNEL(3, 4) KERNEL(4, 4) KERNEL(5, 2) KERNEL(6, 2) KERNEL(7, 2) KERNEL(8, 2)
+
+typedef void (*rows_fn)(const float *, const float *, float *, long, long, long, long);
+static const rows_fn ROWS[9] = {0, rows_1, rows_2, rows_3, rows_4, rows_5, rows_6, rows_7, rows_8};
+
+/* 0 on success, -1 for n outside 1..8 (the caller falls back to BLAS). Row blocks of 32 are spread over threads. */
+int small_batch_linear(const float *x, const float *w, float *y, long n, long in, long out, int threads) {
+    if (n < 1 || n > 8) return -1;
+    rows_fn f = ROWS[n];
+    const long block = 32;
+    long blocks = (out + block - 1) / block;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long b = 0; b < blocks; b++) {
+        long r0 = b * block, r1 = r0 + block < out ? r0 + block : out;
+        f(x, w, y, in, out, r0, r1);
+    }
+    return 0;
+}
+
+int small_batch_linear_max_rows(void) { return 8; }

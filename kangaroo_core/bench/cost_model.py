@@ -1,0 +1,143 @@
+"""The measured cost model of a backend: what verifying n positions and one draft step cost, here and now.
+
+Speculative decoding pays only when a verify pass over k+1 positions costs about one forward: a round that drafts k
+tokens at cost ``c_draft`` each and accepts a tokens on average wins when ``(a + 1) * t(1) > k * c_draft + t(k + 1)``.
+:func:`measure_costs` measures ``t(n)`` (M[:l] + M[l:] + the head over n new positions after a ``context``-token
+prefix, which is what step 1 + step 3 of a round cost together) and ``c_draft`` (one position through M[:l] and the
+drafter) on the backend in use. ``kangaroo profile`` prints it; policies and tree sizing can read it
+(:attr:`CostCurve.relative`).
+
+Timings are interleaved (every repeat walks all sizes once, in a shuffled order) and reported as medians, so a
+machine that slows down mid-run shifts every size alike rather than one.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+DEFAULT_POSITIONS = (1, 2, 3, 4, 6, 8, 12, 16)
+
+
+@attrs.frozen
+class CostCurve:
+    """Median milliseconds per pass; ``verify_ms[i]`` is for ``positions[i]`` new positions after ``context``."""
+
+    backend: str
+    kernels: str
+    threads: int
+    context: int
+    positions: tuple[int, ...]
+    verify_ms: tuple[float, ...]
+    draft_step_ms: float | None
+    repeats: int
+
+    @property
+    def relative(self) -> dict[int, float]:
+        """t(n) / t(1) per size (1.0 for n = 1)."""
+        base = self.verify_ms[self.positions.index(1)] if 1 in self.positions else self.verify_ms[0]
+        return {n: ms / base for n, ms in zip(self.positions, self.verify_ms)}
+
+    def table(self) -> str:
+        """A Markdown table: positions, ms, ratio to one position."""
+        rows = [f"| positions | {' | '.join(str(n) for n in self.positions)} |",
+                f"|---|{'---|' * len(self.positions)}",
+                f"| ms | {' | '.join(f'{ms:.1f}' for ms in self.verify_ms)} |",
+                f"| × one position | {' | '.join(f'{r:.2f}' for r in self.relative.values())} |"]
+        head = (f"{self.backend} (kernels: {self.kernels}), {self.threads} thread(s), {self.context}-token context, "
+                f"median of {self.repeats}")
+        draft = "" if self.draft_step_ms is None else f"\ndraft step (M[:l] + drafter, one position): {self.draft_step_ms:.1f} ms"
+        return head + "\n\n" + "\n".join(rows) + draft
+
+    def as_dict(self) -> dict:
+        return {**attrs.asdict(self), "relative": {str(k): v for k, v in self.relative.items()}}
+
+
+def _variant(backend) -> str:
+    """What decides the backend's kernels: torch's ``kernels``, onnx's ``weights`` (and accuracy level)."""
+    if getattr(backend, "kernels", None):
+        return str(backend.kernels)
+    weights = getattr(backend, "weights", None)
+    if weights == "gguf":
+        return f"gguf weights, accuracy level {backend.accuracy_level}"
+    return str(weights or "default")
+
+
+def _context_ids(backend, context: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(backend.vocab_size) for _ in range(context)]
+
+
+def measure_costs(backend, drafter=None, *, context: int = 300, positions: Sequence[int] = DEFAULT_POSITIONS,
+                  repeats: int = 15, seed: int = 0, progress=None) -> CostCurve:
+    """Measure ``t(n)`` for every size in ``positions`` and, with a bound ``drafter``, one draft step."""
+    positions = tuple(sorted(set(int(n) for n in positions)))
+    if not positions or positions[0] < 1:
+        raise ValueError("positions must be positive integers")
+    if context + max(positions) + 1 > backend.max_context:
+        raise ValueError(f"context {context} + {max(positions)} positions exceeds the model's {backend.max_context}")
+    rng = random.Random(seed)
+    ids = _context_ids(backend, context + max(positions) + 1, seed)
+    prefix = ids[:context]
+    backend.reset()
+    h_prefix = backend.shallow(prefix, 0)
+    prefill = backend.deep(h_prefix, 0, rows=[context - 1])
+    if drafter is not None:
+        drafter.reset()
+        if drafter.wants_deep_states:
+            drafter.observe_deep(0, prefill.hidden)
+        drafter.advance(prefix, h_prefix)
+    times: dict[int, list[float]] = {n: [] for n in positions}
+    draft_times: list[float] = []
+    for _ in range(repeats):
+        order = list(positions)
+        rng.shuffle(order)
+        for n in order:
+            backend.crop(context)
+            start = time.perf_counter()
+            hidden = backend.shallow(ids[context: context + n], context)
+            backend.deep(hidden, context)
+            times[n].append(time.perf_counter() - start)
+        if drafter is not None:
+            backend.crop(context)
+            drafter.crop(context)
+            start = time.perf_counter()
+            hidden = backend.shallow(ids[context: context + 1], context)
+            drafter.advance(ids[: context + 1], hidden)
+            draft_times.append(time.perf_counter() - start)
+        if progress is not None:
+            progress()
+    backend.crop(context)
+    return CostCurve(
+        backend=backend.name, kernels=_variant(backend), threads=torch.get_num_threads(),
+        context=context, positions=positions,
+        verify_ms=tuple(1000 * statistics.median(times[n]) for n in positions),
+        draft_step_ms=1000 * statistics.median(draft_times) if draft_times else None, repeats=repeats)
+
+
+def plot_curves(curves: Sequence[CostCurve], path) -> None:
+    """One line per curve: t(n) / t(1) against n, with the 1.0 and 1.2 lines a verify pass should stay near."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for curve in curves:
+        rel = curve.relative
+        ax.plot(list(rel), list(rel.values()), marker="o",
+                label=f"{curve.backend} ({curve.kernels}), t(1) = {curve.verify_ms[0]:.1f} ms")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.axhline(1.2, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("new positions per pass")
+    ax.set_ylabel("time / one-position pass")
+    ax.set_title(f"verify cost, {curves[0].threads} thread(s), {curves[0].context}-token context")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,211 @@
+"""The torch backend's verify fast path: the small-batch kernel, grouped attention, the switch, the cost model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kangaroo_backends import native
+from kangaroo_backends.fast_layers import SmallBatchLinear, fast_layers, grouped_sdpa
+from kangaroo_backends.torch_eager import TorchBackend
+from kangaroo_core.bench.cost_model import measure_costs
+from kangaroo_core.cli import main
+from kangaroo_core.config import ConfigError, DecodeConfig
+from kangaroo_core.engine import Engine
+from kangaroo_core.testing import TinyTokenizer, hf_greedy, tiny_llama
+from kangaroo_plugins.greedy_verifier import GreedyVerifier
+from kangaroo_plugins.kangaroo.drafter import KangarooDrafter
+from kangaroo_policies.threshold import ThresholdPolicy
+
+kernel, why_not = native.small_batch_kernel()
+needs_kernel = pytest.mark.skipif(kernel is None, reason=f"small-batch kernel unavailable: {why_not}")
+NEAR_TIE = 1e-4
+
+
+def run_kernel(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    y = torch.empty(x.shape[0], w.shape[0])
+    assert kernel(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], w.shape[0], torch.get_num_threads()) == 0
+    return y
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(32, 64), (576, 1536), (1536, 576), (40, 33), (17, 5), (576, 49152)])
+def test_kernel_matches_blas_and_ignores_batch_size(shape):
+    inner, out = shape
+    gen = torch.Generator().manual_seed(inner * out)
+    w = torch.randn(out, inner, generator=gen) * 0.05
+    x = torch.randn(8, inner, generator=gen)
+    full = run_kernel(x, w)
+    torch.testing.assert_close(full, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    for n in range(1, 8):  # the same numbers, bit for bit, whatever else came in the batch
+        assert torch.equal(run_kernel(x[:n].contiguous(), w), full[:n])
+
+
+@needs_kernel
+def test_kernel_refuses_more_rows_than_it_handles():
+    w, x = torch.randn(16, 16), torch.randn(9, 16)
+    assert kernel(x.data_ptr(), w.data_ptr(), torch.empty(9, 16).data_ptr(), 9, 16, 16, 1) == -1
+
+
+def test_small_batch_linear_falls_back_to_blas_where_it_does_not_apply():
+    linear = torch.nn.Linear(16, 24, bias=True)
+    fast = SmallBatchLinear(linear, kernel=lambda *a: pytest.fail("kernel called"))
+    for x in (torch.randn(1, 9, 16), torch.randn(2, 16, dtype=torch.float64)):
+        with torch.no_grad():
+            ref = F.linear(x, linear.weight.to(x.dtype), linear.bias.to(x.dtype))
+            got = fast(x) if x.dtype == torch.float32 else SmallBatchLinear(linear.double(), fast.kernel)(x)
+        assert torch.equal(got, ref)
+
+
+@needs_kernel
+def test_small_batch_linear_adds_bias_and_keeps_shape():
+    linear = torch.nn.Linear(32, 48, bias=True)
+    x = torch.randn(1, 3, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(SmallBatchLinear(linear, kernel)(x), linear(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("q,past", [(1, 0), (1, 7), (4, 0), (5, 11)])
+def test_grouped_attention_equals_transformers_sdpa(q, past):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from kangaroo_backends.kv_cache import causal_mask
+
+    torch.manual_seed(q * 31 + past)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 3, True
+    query = torch.randn(1, 6, q, 8, dtype=torch.float64)
+    key, value = torch.randn(2, 1, 2, past + q, 8, dtype=torch.float64)
+    mask = causal_mask(q, past, torch.float64)
+    ref, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    got, _ = grouped_sdpa(module, query, key, value, mask, scaling=0.3)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+
+
+def fp32_target(seed: int):
+    model = tiny_llama(seed, vocab=96, hidden=64, layers=4, heads=4, kv_heads=2, dtype=torch.float32, init_std=0.3)
+    return model, TinyTokenizer(96, model.generation_config.eos_token_id)
+
+
+def test_backend_views_share_weights_and_leave_the_model_alone():
+    model, tokenizer = fp32_target(0)
+    before = {name: type(m) for name, m in model.named_modules()}
+    backend = TorchBackend(model, tokenizer, 2, "tiny")
+    assert {name: type(m) for name, m in model.named_modules()} == before
+    assert model.config._attn_implementation != "kangaroo_grouped_sdpa"
+    fast = backend.deep_layers[0].mlp.down_proj
+    assert fast.weight is model.model.layers[2].mlp.down_proj.weight  # shared, not copied
+    assert backend.kernels == ("small-batch" if kernel is not None else "grouped-attention")
+    assert TorchBackend(model, tokenizer, 2, "tiny", kernels="plain").deep_layers[0] is model.model.layers[2]
+
+
+def _passes(backend, ids, sizes):
+    backend.reset()
+    h = backend.shallow(ids, 0)
+    out = [backend.deep(h, 0).logits]
+    start = len(ids)
+    for n in sizes:
+        new = [(7 * start + i) % 96 for i in range(n)]
+        h = backend.shallow(new, start)
+        out.append(backend.deep(h, start).logits)
+        start += n
+    return out
+
+
+def test_fast_and_plain_passes_agree():
+    model, tokenizer = fp32_target(1)
+    ids = list(range(3, 40))
+    sizes = [1, 2, 3, 8, 5, 4, 6, 7, 1, 9]
+    fast = _passes(TorchBackend(model, tokenizer, 1, "t"), ids, sizes)
+    plain = _passes(TorchBackend(model, tokenizer, 1, "t", kernels="plain"), ids, sizes)
+    for a, b in zip(fast, plain):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def _same_or_near_tie(model, prompt, reference, produced):
+    if produced == reference:
+        return
+    first = next(i for i, (a, b) in enumerate(zip(produced + [None], reference + [None])) if a != b)
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + reference[:first]])).logits[0, -1].double()
+    top = torch.topk(logits, 2).values
+    assert float(top[0] - top[1]) < NEAR_TIE, f"token {first} differs and is not a near-tie"
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("kernels", ["auto", "plain"])
+def test_fp32_greedy_identity_with_transformers(seed, kernels):
+    """float32 (the kernel's dtype): every position of every verify pass through the fast path, output = transformers."""
+    model, tokenizer = fp32_target(seed)
+    prompt = [(11 * seed + 5 * i) % 96 for i in range(9)]
+    reference = hf_greedy(model, prompt, 40)
+    backend = TorchBackend(model, tokenizer, 1 + seed % 3, "t", kernels=kernels)
+    config = DecodeConfig(eta=0.0, gamma=7, exit_layer=backend.exit_layer, max_new_tokens=40)
+    engine = Engine(backend, KangarooDrafter(), ThresholdPolicy(eta=0.0), GreedyVerifier(), config)
+    result = engine.generate_ids(prompt)
+    _same_or_near_tie(model, prompt, reference, result.token_ids)
+    vanilla = Engine(backend, None, ThresholdPolicy(eta=0.0), GreedyVerifier(), config).generate_ids(prompt)
+    _same_or_near_tie(model, prompt, vanilla.token_ids, result.token_ids)
+
+
+def test_kernel_switch_errors_and_fallback(monkeypatch):
+    model, tokenizer = fp32_target(2)
+    with pytest.raises(ConfigError, match="kernels must be one of"):
+        TorchBackend(model, tokenizer, 1, "t", kernels="fast")
+    monkeypatch.setenv("KANGAROO_NATIVE", "0")
+    native.small_batch_kernel.cache_clear()
+    try:
+        assert native.small_batch_kernel() == (None, "disabled by KANGAROO_NATIVE=0")
+        assert TorchBackend(model, tokenizer, 1, "t").kernels == "grouped-attention"
+        with pytest.raises(ConfigError, match="kernels=small-batch is unavailable: disabled by KANGAROO_NATIVE=0"):
+            TorchBackend(model, tokenizer, 1, "t", kernels="small-batch")
+    finally:
+        native.small_batch_kernel.cache_clear()
+
+
+def test_a_failing_compiler_is_reported_not_raised(monkeypatch, tmp_path):
+    monkeypatch.setenv("KANGAROO_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    native.small_batch_kernel.cache_clear()
+    try:
+        function, why = native.small_batch_kernel()
+        assert function is None and why.startswith("building the small-batch kernel failed")
+    finally:
+        native.small_batch_kernel.cache_clear()
+
+
+def test_fast_layers_only_swap_linears_and_attention_config():
+    model, _ = fp32_target(3)
+    twin = fast_layers(model.model.layers[:1], None, model.config)[0]
+    assert twin is not model.model.layers[0]
+    assert twin.self_attn.q_proj is model.model.layers[0].self_attn.q_proj  # no kernel: the linears are the model's
+    assert twin.self_attn.config._attn_implementation == "kangaroo_grouped_sdpa"
+
+
+def test_measure_costs_on_a_tiny_backend():
+    model, tokenizer = fp32_target(0)
+    backend = TorchBackend(model, tokenizer, 1, "t")
+    drafter = KangarooDrafter()
+    drafter.bind(backend)
+    curve = measure_costs(backend, drafter, context=20, positions=(4, 1, 2), repeats=3)
+    assert curve.positions == (1, 2, 4) and len(curve.verify_ms) == 3 and all(ms > 0 for ms in curve.verify_ms)
+    assert curve.relative[1] == 1.0 and curve.draft_step_ms > 0
+    assert "| × one position | 1.00 |" in curve.table()
+    with pytest.raises(ValueError, match="exceeds"):
+        measure_costs(backend, None, context=backend.max_context, positions=(1,), repeats=1)
+
+
+def test_profile_command(tiny_model_dir, tmp_path, capsys):
+    out, plot = tmp_path / "curve.json", tmp_path / "curve.png"
+    code = main(["profile", "--model", str(tiny_model_dir), "--context", "16", "--positions", "1,2,4", "--repeats", "2",
+                 "--compare-plain", "--out", str(out), "--plot", str(plot)])
+    printed, err = capsys.readouterr()
+    assert code == 0, err
+    assert printed.count("| positions | 1 | 2 | 4 |") == 2 and "kernels: plain" in printed
+    curves = json.loads(out.read_text())
+    assert [c["positions"] for c in curves] == [[1, 2, 4]] * 2 and plot.stat().st_size > 1000
+    assert main(["profile", "--model", str(tiny_model_dir), "--positions", "0"]) == 2
+    assert "positive" in capsys.readouterr().err

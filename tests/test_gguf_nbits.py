@@ -1,0 +1,257 @@
+"""The GGUF file's own blocks on onnxruntime (MatMulNBits): block mapping, graph rewrite, the 4-bit backend."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("onnxruntime")
+gguf = pytest.importorskip("gguf")
+
+from gguf import GGMLQuantizationType as QT  # noqa: E402
+from gguf import quants  # noqa: E402
+
+from kangaroo_backends.gguf_nbits import (  # noqa: E402
+    LLAMA_NAMES,
+    UnsupportedQuantization,
+    from_gguf_blocks,
+    read_linear_weights,
+)
+
+
+def blocks(qtype, n=6, k=96, seed=0, flat_block=False):
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    if flat_block:
+        w[1, 32:64] = 0.25  # a block of equal values: Q4_1 stores d = 0
+    return w, quants.quantize(w, qtype)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q8_0])
+def test_blocks_dequantize_like_gguf(qtype):
+    _, raw = blocks(qtype, flat_block=True)
+    reference = quants.dequantize(raw, qtype)  # what transformers loads
+    weight = from_gguf_blocks("t", qtype.name, raw, *reference.shape)
+    np.testing.assert_array_equal(weight.dequantize(), reference)  # d·q (+ m): the same float32 operations
+
+
+def test_unsupported_types_are_refused_in_one_line():
+    with pytest.raises(UnsupportedQuantization, match=r"^GGUF tensor blk.0.ffn_up.weight is Q5_K; .* maps Q4_0, Q4_1, Q8_0 only$"):
+        from_gguf_blocks("blk.0.ffn_up.weight", "Q5_K", np.zeros((2, 176), np.uint8), 2, 256)
+
+
+def _matmul_nbits(weight, a):
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits = [numpy_helper.from_array(weight.codes, "B"), numpy_helper.from_array(weight.scales, "S")]
+    names = ["A", "B", "S"]
+    if weight.zero_points is not None:
+        inits.append(numpy_helper.from_array(weight.zero_points, "Z"))
+        names.append("Z")
+    node = helper.make_node("MatMulNBits", names, ["Y"], domain="com.microsoft", K=weight.k, N=weight.n,
+                            bits=weight.bits, block_size=32, accuracy_level=0)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["m", weight.k])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["m", weight.n])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {"A": a})[0]
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q8_0])
+def test_onnxruntime_reads_the_blocks_as_gguf_does(qtype):
+    """x = identity: MatMulNBits returns its dequantized weight, which must be transformers' bit for bit (Q4_1: the op
+    gives d·q; the graph adds m over each block, here m[n, j // 32] for the one-hot row j)."""
+    _, raw = blocks(qtype, n=8, k=64, seed=3, flat_block=True)
+    reference = quants.dequantize(raw, qtype)
+    weight = from_gguf_blocks("t", qtype.name, raw, 8, 64)
+    got = _matmul_nbits(weight, np.eye(64, dtype=np.float32)).T
+    if weight.mins is not None:
+        got = got + np.repeat(weight.mins, 32, axis=1)
+    np.testing.assert_array_equal(got, reference)
+
+
+# -- a tiny Llama written as a real GGUF file (tensors only) --------------------------------------------------------
+def _permute(w, heads):  # llama.cpp's convert_hf_to_gguf permute (what transformers reverses)
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(model, path, qtype=QT.Q4_1, head_type=QT.Q8_0):
+    """Quantize ``model``'s linear layers into a GGUF file and set the model to the file's dequantized weights (what
+    loading that file with transformers would give)."""
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for i in range(cfg.num_hidden_layers):
+        for gname, hf in LLAMA_NAMES.items():
+            p = params[f"model.layers.{i}.{hf}.weight"]
+            w = p.detach().float().numpy()
+            heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}.get(gname)
+            stored = _permute(w, heads) if heads else w
+            raw = quants.quantize(np.ascontiguousarray(stored), qtype)
+            writer.add_tensor(f"blk.{i}.{gname}.weight", raw, raw_dtype=qtype)
+            back = quants.dequantize(raw, qtype)
+            if heads:  # undo the permutation the way transformers does
+                dim = back.shape[0] // heads // 2
+                back = back.reshape(heads, dim, 2, -1).swapaxes(2, 1).reshape(back.shape)
+            with torch.no_grad():
+                p.copy_(torch.from_numpy(np.ascontiguousarray(back)))
+    head = model.lm_head.weight
+    raw = quants.quantize(head.detach().float().numpy(), head_type)
+    writer.add_tensor("output.weight", raw, raw_dtype=head_type)
+    with torch.no_grad():
+        head.copy_(torch.from_numpy(quants.dequantize(raw, head_type)))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    from kangaroo_core.testing import tiny_llama
+
+    model = tiny_llama(5, vocab=96, hidden=64, layers=3, heads=4, kv_heads=2, dtype=torch.float32,
+                       tie_word_embeddings=False, init_std=0.3)
+    path = write_tiny_gguf(model, tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+    return model, path
+
+
+def test_read_linear_weights_matches_the_dequantized_model(tiny_gguf):
+    model, path = tiny_gguf
+    weights = read_linear_weights(path, model.config)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    assert len(weights) == 7 * model.config.num_hidden_layers + 1
+    for name, weight in weights.items():
+        ref = params[name].detach().numpy()
+        np.testing.assert_array_equal(weight.dequantize(), ref)
+
+
+@pytest.fixture(scope="module")
+def gguf_bundle(tiny_gguf, tmp_path_factory):
+    from kangaroo_backends.onnx_export import export_onnx
+
+    model, path = tiny_gguf
+    out = tmp_path_factory.mktemp("bundle") / "q4"
+    manifest = export_onnx(model, out, exit_layer=1, weights="gguf", gguf_path=path, quiet=True)
+    return out, manifest
+
+
+def test_gguf_export_replaces_every_linear_layer(gguf_bundle):
+    import onnx
+
+    out, manifest = gguf_bundle
+    assert manifest["weights"] == {"format": "gguf-matmulnbits", "gguf_file": "tiny.gguf", "accuracy_level": 1}
+    counts = {g: e["matmul_nbits"]["replaced"] for g, e in manifest["graphs"].items()}
+    assert counts == {"shallow": 7, "deep": 14, "head": 0}  # the Q8_0 head stays float32 at float32 activations
+    assert manifest["graphs"]["head"]["matmul_nbits"]["kept_float32"] == {"lm_head.weight": "Q8_0"}
+    for name in ("shallow", "deep"):
+        graph = onnx.load(str(out / f"{name}.onnx")).graph
+        ops = [n.op_type for n in graph.node]
+        assert "MatMulNBits" in ops
+        assert not [i for i in graph.initializer if len(i.dims) == 2 and i.dims[0] * i.dims[1] >= 64 * 64
+                    and i.data_type == 1 and name != "shallow"]  # no float32 weight matrix left (shallow: embedding)
+
+
+def test_int8_activations_also_take_the_8_bit_head(tiny_gguf, tmp_path):
+    from kangaroo_backends.onnx_export import export_onnx
+
+    model, path = tiny_gguf
+    manifest = export_onnx(model, tmp_path / "a4", exit_layer=1, weights="gguf", gguf_path=path, accuracy_level=4,
+                           quiet=True)
+    assert manifest["graphs"]["head"]["matmul_nbits"]["types"] == {"Q8_0": 1}
+    assert manifest["graphs"]["deep"]["validation"]["tolerance"] > manifest["graphs"]["deep"]["validation"]["max_abs_diff"]
+
+
+def test_kangaroo_on_the_gguf_backend_is_lossless(tiny_gguf, gguf_bundle):
+    from kangaroo_backends.onnx_backend import OnnxBackend
+    from kangaroo_core.config import DecodeConfig
+    from kangaroo_core.engine import Engine
+    from kangaroo_core.testing import TinyTokenizer, hf_greedy
+    from kangaroo_plugins.greedy_verifier import GreedyVerifier
+    from kangaroo_plugins.kangaroo.drafter import KangarooDrafter
+    from kangaroo_policies.threshold import ThresholdPolicy
+
+    model, _ = tiny_gguf
+    out, _ = gguf_bundle
+    backend = OnnxBackend(model, TinyTokenizer(96, model.generation_config.eos_token_id), 1, "tiny", bundle=out,
+                          provider="cpu")
+    config = DecodeConfig(eta=0.0, gamma=5, exit_layer=1, max_new_tokens=30)
+    for seed in range(3):
+        prompt = [(13 * seed + 3 * i) % 96 for i in range(7)]
+        vanilla = Engine(backend, None, ThresholdPolicy(eta=0.0), GreedyVerifier(), config).generate_ids(prompt)
+        drafted = Engine(backend, KangarooDrafter(), ThresholdPolicy(eta=0.0), GreedyVerifier(), config).generate_ids(prompt)
+        assert drafted.token_ids == vanilla.token_ids
+        assert sum(r.drafted for r in drafted.rounds) >= 5 * 3  # multi-position verify passes really ran
+        assert vanilla.token_ids == hf_greedy(model, prompt, 30)  # same weights as transformers' float32 model
+    assert backend.weights == "gguf"
+
+
+def test_gguf_weights_need_a_gguf_model(tiny_gguf):
+    from kangaroo_backends.onnx_backend import OnnxBackend
+    from kangaroo_core.config import ConfigError
+    from kangaroo_core.testing import TinyTokenizer
+
+    model, _ = tiny_gguf
+    with pytest.raises(ConfigError, match="weights=gguf needs a model loaded from a GGUF file"):
+        OnnxBackend(model, TinyTokenizer(96, None), 1, "tiny", weights="gguf")
+    with pytest.raises(ConfigError, match="accuracy_level applies to weights=gguf only"):
+        OnnxBackend(model, TinyTokenizer(96, None), 1, "tiny", accuracy_level=4)
+
+
+def test_a_gguf_with_an_unmapped_type_is_refused(tiny_gguf, tmp_path):
+    from kangaroo_backends.onnx_export import export_onnx
+
+    model, _ = tiny_gguf
+    bad = tmp_path / "q5.gguf"
+    writer = gguf.GGUFWriter(str(bad), "llama")
+    w = model.model.layers[0].mlp.up_proj.weight.detach().numpy()
+    writer.add_tensor("blk.0.ffn_up.weight", quants.quantize(w, QT.Q5_0), raw_dtype=QT.Q5_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedQuantization, match="is Q5_0"):
+        export_onnx(model, tmp_path / "out", exit_layer=1, weights="gguf", gguf_path=bad, quiet=True)
+    assert not (tmp_path / "out").exists()
+
+
+def test_int8_activations_refuse_drafting_in_one_line(tiny_gguf, tmp_path):
+    """Measured: at accuracy level 4 a verify pass does not reproduce one-token passes, so no drafter may run."""
+    from kangaroo_backends.onnx_backend import OnnxBackend
+    from kangaroo_backends.onnx_export import export_onnx
+    from kangaroo_core.config import ConfigError, DecodeConfig
+    from kangaroo_core.engine import Engine
+    from kangaroo_core.testing import TinyTokenizer
+    from kangaroo_plugins.greedy_verifier import GreedyVerifier
+    from kangaroo_plugins.kangaroo.drafter import KangarooDrafter
+    from kangaroo_policies.threshold import ThresholdPolicy
+
+    model, path = tiny_gguf
+    export_onnx(model, tmp_path / "a4", exit_layer=1, weights="gguf", gguf_path=path, accuracy_level=4, quiet=True)
+    backend = OnnxBackend(model, TinyTokenizer(96, None), 1, "tiny", bundle=tmp_path / "a4", provider="cpu")
+    assert backend.accuracy_level == 4  # read from the bundle's manifest before any session opens
+    config = DecodeConfig(exit_layer=1, max_new_tokens=4)
+    assert Engine(backend, None, ThresholdPolicy(), GreedyVerifier(), config).generate_ids([1, 2, 3]).token_ids
+    with pytest.raises(ConfigError, match="^drafting on this backend would not be lossless: MatMulNBits accuracy level 4"):
+        Engine(backend, KangarooDrafter(), ThresholdPolicy(), GreedyVerifier(), config)
+
+
+def test_llama_cpp_method_says_how_to_install_it(monkeypatch):
+    import builtins
+
+    from kangaroo_core.errors import MissingDependencyError
+    from kangaroo_plugins.llama_cpp_bench import LlamaCpp
+
+    real_import = builtins.__import__
+
+    def no_llama(name, *args, **kwargs):
+        if name == "llama_cpp":
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_llama)
+    with pytest.raises(MissingDependencyError, match=r"pip install 'kangaroo-decoding\[llama-cpp\]'"):
+        LlamaCpp().prepare(None)
