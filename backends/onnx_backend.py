@@ -226,7 +226,6 @@ class OnnxBackend(Backend):
                                                                              OnnxModelError))
             except (OnnxModelError, AttributeError, TypeError, ValueError):
                 pass  # reported with the full manifest check when the sessions open
-        self._set_exactness()
         self.gguf_path = None
         if weights == "gguf" and bundle is None:
             self.gguf_path = Path(gguf_path) if gguf_path is not None else gguf_source(model)
@@ -263,12 +262,14 @@ class OnnxBackend(Backend):
     def base_model(self):
         return self.model
 
-    def _set_exactness(self) -> None:
+    @property
+    def inexact_multi_position(self) -> str | None:
         # measured: at accuracy level 4 a verify pass and one-token passes over the same tokens pick different tokens
         # (activations are quantized per pass); at levels 0/1 the graphs compute in float32 as the plain export does
-        self.inexact_multi_position = None if self.accuracy_level <= 1 else (
-            f"MatMulNBits accuracy level {self.accuracy_level} quantizes activations per pass, so a verify pass does "
-            "not reproduce one-token passes; use --onnx-accuracy-level 1 (float32 activations) to draft")
+        if self.accuracy_level <= 1:
+            return None
+        return (f"MatMulNBits accuracy level {self.accuracy_level} quantizes activations per pass, so a verify pass "
+                "does not reproduce one-token passes; use --onnx-accuracy-level 1 (float32 activations) to draft")
 
     def resplit(self, exit_layer: int) -> "OnnxBackend":
         if self.bundle is not None:
@@ -348,7 +349,6 @@ class OnnxBackend(Backend):
             raise OnnxModelError(f"ONNX export {directory} has weights {export_weights(manifest)}, not "
                                  f"{(self.weights, self.accuracy_level)}; delete it to re-export")
         self.weights, self.accuracy_level = export_weights(manifest)
-        self._set_exactness()
         runners = {}
         for name in GRAPHS:
             inputs, outputs = graph_io(name, self.num_layers, self.exit_layer)

@@ -116,11 +116,10 @@ class _OnnxEngine:
             return base
         if context.model is None:
             raise KangarooError(f"{self.name} needs a backend holding the transformers model to export")
-        cache = context.__dict__.setdefault("_onnx_backends", {})  # one backend (and export) per weights, shared
-        if self.weights not in cache:
-            cache[self.weights] = OnnxBackend(context.model, context.tokenizer, base.exit_layer, base.model_name,
-                                              provider=self.provider, threads=_threads(), weights=self.weights)
-        return cache[self.weights]
+        return context.shared_backend(  # one backend (and export) per weights for the whole run
+            ("onnx", self.provider, self.weights),
+            lambda: OnnxBackend(context.model, context.tokenizer, base.exit_layer, base.model_name,
+                                provider=self.provider, threads=_threads(), weights=self.weights))
 
 
 class VanillaOnnx(_OnnxEngine, EngineMethod):

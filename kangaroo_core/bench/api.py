@@ -8,7 +8,7 @@ the generation call only (not tokenisation, not setup).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kangaroo_core.interfaces import BenchMethod, Messages, MethodResult
@@ -75,6 +75,12 @@ class BenchContext:
 
                 raise BenchError(str(exc)) from None
         return self._backends[exit_layer]
+
+    def shared_backend(self, key: Any, build: "Callable[[], Backend]") -> "Backend":
+        """A further backend the run's methods share (e.g. an onnx backend over the loaded model), built once per key."""
+        if key not in self._backends:
+            self._backends[key] = build()
+        return self._backends[key]
 
     def engine(self, *, drafter: Any = RUN_DEFAULT, config: "DecodeConfig | None" = None,
                adapter: Any = RUN_DEFAULT, exit_layer: int | None = None, policy: Any = None,
