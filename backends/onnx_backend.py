@@ -377,14 +377,16 @@ class OnnxBackend(Backend):
         return self.shallow_runner.length, self.deep_runner.length
 
     # -- the split model -------------------------------------------------------------------------------------------
-    def shallow(self, token_ids: Sequence[int], start: int) -> torch.Tensor:
+    def shallow(self, token_ids: Sequence[int], start: int, tree=None) -> torch.Tensor:
+        _no_trees(tree)
         self._ensure()
         check_start("shallow", start, self.shallow_runner.length)
         ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=self.device)[None]
         (hidden,) = self.shallow_runner.run(ids, [(1, ids.shape[1], self.hidden_size)])
         return hidden[0]
 
-    def deep(self, hidden: torch.Tensor, start: int, rows: Sequence[int] | None = None) -> DeepOutput:
+    def deep(self, hidden: torch.Tensor, start: int, rows: Sequence[int] | None = None, tree=None) -> DeepOutput:
+        _no_trees(tree)
         self._ensure()
         check_start("deep", start, self.deep_runner.length)
         x = hidden.to(device=self.device, dtype=torch.float32)[None].contiguous()
@@ -392,6 +394,12 @@ class OnnxBackend(Backend):
         picked = final if rows is None else final[:, torch.as_tensor(list(rows), dtype=torch.long, device=self.device)]
         (logits,) = self.head_runner.run(picked, [(1, picked.shape[1], self.vocab_size)])
         return DeepOutput(logits=logits[0], hidden=final[0])
+
+
+def _no_trees(tree) -> None:
+    """The exported graphs build a causal mask from position ids: they take no tree mask (yet)."""
+    if tree is not None:
+        raise NotImplementedError("the onnx backend's exported graphs take no token-tree mask; use --backend torch")
 
 
 @hookimpl

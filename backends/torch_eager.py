@@ -51,7 +51,7 @@ def describe_split_model(backend: Backend, model, tokenizer, exit_layer: int, mo
     backend.max_context = config.max_position_embeddings
     backend.fingerprint = model_fingerprint(model)
     eos = model.generation_config.eos_token_id
-    if eos is None:
+    if eos is None and tokenizer is not None:
         eos = tokenizer.eos_token_id
     backend.eos_token_ids = frozenset([eos] if isinstance(eos, int) else list(eos or []))
 
@@ -86,6 +86,7 @@ class TorchBackend(Backend):
 
     name = "torch"
     runtime = "torch"
+    supports_trees = True
 
     def __init__(self, model, tokenizer, exit_layer: int, model_name: str = "model", kernels: str = "auto"):
         config = model.config
@@ -137,6 +138,7 @@ class TorchBackend(Backend):
     def reset(self) -> None:
         self.cache.reset()
 
+    @torch.inference_mode()  # the buffers were written under inference mode: so are the moves
     def keep(self, positions: Sequence[int]) -> None:
         self.cache.keep(positions)
 
@@ -147,12 +149,16 @@ class TorchBackend(Backend):
         return self.cache.lengths[0], self.cache.lengths[self.exit_layer]
 
     # -- the split model -------------------------------------------------------------------------------------------
-    def _run_layers(self, layers, hidden: torch.Tensor, start: int) -> torch.Tensor:
+    def _run_layers(self, layers, hidden: torch.Tensor, start: int, tree=None) -> torch.Tensor:
         n = hidden.shape[1]
-        positions = torch.arange(start, start + n, device=self.device)
-        position_ids = positions[None]
+        positions = torch.arange(start, start + n, device=self.device)  # cache slots
+        if tree is None:
+            position_ids = positions[None]
+            mask = causal_mask(n, start, self.dtype, self.device)
+        else:  # token tree: RoPE by depth, each row sees the committed prefix and its own ancestors
+            position_ids = tree.position_ids(self.device)[None]
+            mask = tree.additive_mask(start + n, self.dtype, self.device)
         position_embeddings = self.rotary_emb(hidden, position_ids)
-        mask = causal_mask(n, start, self.dtype, self.device)
         for layer in layers:
             hidden = layer(
                 hidden,
@@ -165,15 +171,15 @@ class TorchBackend(Backend):
         return hidden
 
     @torch.inference_mode()
-    def shallow(self, token_ids: Sequence[int], start: int) -> torch.Tensor:
+    def shallow(self, token_ids: Sequence[int], start: int, tree=None) -> torch.Tensor:
         check_start("shallow", start, self.cache.lengths[0])
         ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=self.device)[None]  # [1, n]
-        return self._run_layers(self.shallow_layers, self.embed_tokens(ids), start)[0]  # [n, d]
+        return self._run_layers(self.shallow_layers, self.embed_tokens(ids), start, tree)[0]  # [n, d]
 
     @torch.inference_mode()
-    def deep(self, hidden: torch.Tensor, start: int, rows: Sequence[int] | None = None) -> DeepOutput:
+    def deep(self, hidden: torch.Tensor, start: int, rows: Sequence[int] | None = None, tree=None) -> DeepOutput:
         check_start("deep", start, self.cache.lengths[self.exit_layer])
-        out = self.final_norm(self._run_layers(self.deep_layers, hidden[None], start))[0]  # [n, d]
+        out = self.final_norm(self._run_layers(self.deep_layers, hidden[None], start, tree))[0]  # [n, d]
         picked = out if rows is None else out[torch.as_tensor(list(rows), dtype=torch.long, device=out.device)]
         return DeepOutput(logits=self.lm_head(picked), hidden=out)  # logits [r, V]
 

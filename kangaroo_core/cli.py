@@ -1,4 +1,4 @@
-"""The ``kangaroo`` command line: ``generate``, ``bench`` and ``plugins``.
+"""The ``kangaroo`` command line: ``generate``, ``bench``, ``serve``, ``plugins`` and the training / export commands.
 
 User errors print one line to stderr (``kangaroo: error: ...``) and exit 1 (2 for bad usage); no traceback.
 """
@@ -212,11 +212,14 @@ def _policy_specs(text: str | None):
 @click.option("--policies", default=None,
               help="Comma-separated stopping policies to compare, one kangaroo column each; options as "
                    "NAME:KEY=VALUE[:KEY=VALUE], e.g. learned:predictor=DIR.")
+@click.option("--tree-budgets", default=None,
+              help="Comma-separated tree node budgets: one kangaroo_tree column each (dynamic tree; --tree-topk / "
+                   "--tree-depth apply), next to the chain.")
 @click.option("--baseline", default="hf_vanilla", show_default=True,
               help="Method label the speedups are relative to (identity is always checked against hf_vanilla).")
 @engine_options
 def bench(questions_file, out_dir, methods, limit_per_subtask, repeats, no_warmup, no_progress, sweep_eta, sweep_gamma,
-          adapters, policies, baseline, opts: EngineOptions) -> None:
+          adapters, policies, tree_budgets, baseline, opts: EngineOptions) -> None:
     """Benchmark every method on Spec-Bench questions: results.json, results.md, plots in --out."""
     import datetime
 
@@ -236,7 +239,7 @@ def bench(questions_file, out_dir, methods, limit_per_subtask, repeats, no_warmu
     policy_specs = _policy_specs(policies)
     options = opts.parsed_policy_options()
     sweeping = bool(etas or gammas)
-    only_variants = methods is None and (sweeping or adapter_specs or policy_specs)
+    only_variants = methods is None and (sweeping or adapter_specs or policy_specs or tree_budgets)
     specs = parse_methods("hf_vanilla" if only_variants else methods)
     sweep_points = []
     if sweeping:
@@ -246,12 +249,15 @@ def bench(questions_file, out_dir, methods, limit_per_subtask, repeats, no_warmu
                 label = f"kangaroo[eta={e:g},gamma={g}]"
                 specs.append(MethodSpec(label, "kangaroo", {"eta": e, "gamma": g}))
                 sweep_points.append({"label": label, "eta": e, "gamma": g})
+    for budget in _int_list(tree_budgets, "--tree-budgets"):
+        specs.append(MethodSpec(f"kangaroo_tree[budget={budget}]", "kangaroo_tree", {"budget": budget}))
     specs += adapter_specs + policy_specs
     if baseline not in [s.label for s in specs]:
         raise UsageError(f"--baseline {baseline!r} is not one of the measured methods: {', '.join(s.label for s in specs)}")
     backend_obj = opts.backend(config)
     context = BenchContext(backend_obj, config, drafter=opts.drafter, policy=opts.policy, verifier=opts.verifier,
-                           adapter=opts.adapter, policy_options=options, drafter_options=opts.parsed_drafter_options())
+                           adapter=opts.adapter, policy_options=options, drafter_options=opts.parsed_drafter_options(),
+                           tree_options=opts.parsed_tree_options())
     run = run_bench(context, build_methods(specs, context), questions, max_new_tokens=max_new_tokens, repeats=repeats,
                     warmup=not no_warmup, progress=not no_progress)
     summary = summarize(run, baseline)
@@ -588,6 +594,41 @@ def profile(opts: EngineOptions, context, positions, repeats, compare_plain, out
         Path(out_file).write_text(json.dumps([c.as_dict() for c in curves], indent=2) + "\n")
     if plot_file:
         plot_curves(curves, plot_file)
+
+
+@cli.command()
+@engine_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--queue-size", type=int, default=16, show_default=True,
+              help="Requests that may wait behind the running one; more are answered 429 at once.")
+@click.option("--served-model-name", default=None, help="The model id clients send (default: the model's file name).")
+@click.option("--max-request-bytes", type=int, default=4 * 1024 * 1024, show_default=True,
+              help="Larger request bodies are answered 413.")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+def serve(opts: EngineOptions, host, port, queue_size, served_model_name, max_request_bytes, log_level) -> None:
+    """An OpenAI-compatible server (chat, completions, streaming) with /metrics and a live page at /.
+
+    One engine, loaded once from the same flags as `generate`; requests are decoded one at a time in arrival order.
+    The sampling flags are the defaults for requests that set none (greedy unless --temperature says otherwise).
+    """
+    try:
+        import uvicorn
+
+        from kangaroo_core.serve.app import create_app
+    except ImportError as exc:
+        from kangaroo_core.errors import MissingDependencyError
+
+        raise MissingDependencyError(f"kangaroo serve needs the [serve] extra ({exc.name} is missing): "
+                                     "pip install 'kangaroo-decoding[serve]'") from None
+    if queue_size < 1:
+        raise UsageError(f"--queue-size must be >= 1, got {queue_size}")
+    engine = opts.engine()
+    engine.generate("Hello", max_new_tokens=4)  # warm-up before the first client: one-off allocations, kernel build
+    app = create_app(engine, model_id=served_model_name, queue_size=queue_size, max_request_bytes=max_request_bytes)
+    _eprint(f"kangaroo: serving {app.state.model_id} on http://{host}:{port}/ (OpenAI API under /v1, live page at /)")
+    uvicorn.run(app, host=host, port=port, log_level=log_level)
 
 
 @cli.command()

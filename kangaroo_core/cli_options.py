@@ -86,6 +86,11 @@ class EngineOptions:
     top_p: float = 1.0
     seed: int | None = None
     draft_sampling: bool = False
+    tree: str | None = None
+    tree_budget: str | None = None
+    tree_topk: int | None = None
+    tree_depth: int | None = None
+    tree_options: tuple = ()
 
     def config(self, **changes: Any) -> DecodeConfig:
         sampling = SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
@@ -98,6 +103,20 @@ class EngineOptions:
 
     def parsed_drafter_options(self) -> dict:
         return parse_key_values(self.drafter_options, "--drafter-option")
+
+    def parsed_tree_options(self) -> dict:
+        """``--tree-option`` pairs, then ``--tree-budget`` (a number or "auto"), ``--tree-topk``, ``--tree-depth``."""
+        options = parse_key_values(self.tree_options, "--tree-option")
+        if self.tree_budget is not None:
+            budget = self.tree_budget.strip()
+            if budget != "auto" and not budget.isdigit():
+                raise UsageError(f"--tree-budget takes a number of nodes or 'auto', got {self.tree_budget!r}")
+            options["budget"] = budget if budget == "auto" else int(budget)
+        if self.tree_topk is not None:
+            options["topk"] = self.tree_topk
+        if self.tree_depth is not None:
+            options["depth"] = self.tree_depth
+        return options
 
     def backend_options(self) -> dict:
         options: dict[str, Any] = {"model": self.model}
@@ -136,12 +155,26 @@ class EngineOptions:
         verifier = self.verifier if self.verifier != "auto" else default_verifier(config)
         verifier = _resolve("verifier", verifier, config, None)
         drafter = None if vanilla else _resolve("drafter", self.drafter, config, drafter_options)
-        return Engine(backend or self.backend(config), drafter, policy, verifier, config)
+        tree = self.tree_shaper(config) if not vanilla else None
+        engine = Engine(backend or self.backend(config), drafter, policy, verifier, config, tree=tree)
+        engine._verifier_spec = (self.verifier, None)  # by name: Engine.with_sampling may build it again
+        return engine
+
+    def tree_shaper(self, config: DecodeConfig | None = None):
+        """The tree shaper ``--tree`` names (None: chain rounds); its flags are refused without ``--tree``."""
+        from kangaroo_core.engine import _resolve
+
+        if self.tree is None:
+            if self.parsed_tree_options():
+                raise UsageError("--tree-budget / --tree-topk / --tree-depth / --tree-option need --tree NAME")
+            return None
+        return _resolve("tree", self.tree, config or self.config(), self.parsed_tree_options())
 
     def summary(self) -> dict[str, Any]:
         """The choices, for results files."""
         out = attrs.asdict(self)
         out["policy_options"], out["drafter_options"] = self.parsed_policy_options(), self.parsed_drafter_options()
+        out["tree_options"] = self.parsed_tree_options()
         out["backend"] = out.pop("backend_name")
         return out
 
@@ -202,6 +235,15 @@ _SHARED = [
     click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass in (0, 1] (1: off)."),
     click.option("--seed", type=int, default=None, help="Seed for sampling: the same seed gives the same output."),
     click.option("--draft-sampling", is_flag=True, help="Sample drafts from the adapter's distribution (default: its top-1)."),
+    click.option("--tree", default=None, metavar="NAME",
+                 help="Draft a token tree per round instead of a chain (torch backend): dynamic (EAGLE-2) or chain "
+                      "(the chain as a tree); see docs/trees.md."),
+    click.option("--tree-budget", default=None, metavar="N|auto",
+                 help="--tree dynamic: nodes verified per round (default auto: sized from the measured verify cost)."),
+    click.option("--tree-topk", type=int, default=None, help="--tree dynamic: children per node and nodes expanded per depth (default 2)."),
+    click.option("--tree-depth", type=int, default=None, help="--tree: longest drafted path (default 5; chain: gamma)."),
+    click.option("--tree-option", "tree_options", multiple=True, metavar="KEY=VALUE",
+                 help="Option for the tree shaper plugin (repeatable)."),
 ]
 _FIELDS = [f.name for f in attrs.fields(EngineOptions)]
 

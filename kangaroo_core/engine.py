@@ -17,6 +17,7 @@ Glossary (shapes for one sequence, batch size 1):
 
 from __future__ import annotations
 
+import copy
 import inspect
 import time
 from collections.abc import Generator, Iterator, Sequence
@@ -25,12 +26,13 @@ from typing import Any
 import attrs
 import torch
 
-from kangaroo_core.config import ConfigError, DecodeConfig
+from kangaroo_core.config import ConfigError, DecodeConfig, SamplingConfig
 from kangaroo_core.errors import PromptError
-from kangaroo_core.interfaces import Backend, SelfDrafter, StoppingPolicy, Verifier
+from kangaroo_core.interfaces import Backend, SelfDrafter, StoppingPolicy, TreeShaper, Verifier
 from kangaroo_core.plugins import get_registry
-from kangaroo_core.results import DraftStep, GenerationResult, RoundResult, Verdict
+from kangaroo_core.results import DraftStep, Emitted, GenerationResult, RoundResult, Verdict
 from kangaroo_core.sampling import draw, make_generator, target_probs
+from kangaroo_core.tree_round import tree_round
 
 Prompt = str | Sequence[dict[str, str]]
 
@@ -70,6 +72,21 @@ def option_names(factory: type) -> str:
     return ", ".join(names) or "none"
 
 
+def encode_prompt(tokenizer, prompt: Prompt, *, chat: bool = True) -> list[int]:
+    """Token ids of a prompt with ``tokenizer``: a user message (its chat template applied, when it has one), a list
+    of chat messages, or raw text (``chat=False``). Empty prompts raise :class:`PromptError`."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise PromptError("the prompt is empty")
+        if not chat or not tokenizer.chat_template:
+            return tokenizer.encode(prompt)
+        prompt = [{"role": "user", "content": prompt}]
+    if not prompt:
+        raise PromptError("the conversation is empty")
+    ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
 class Engine:
     """A Kangaroo decoder composed of a backend, a drafter, a stopping policy and a verifier.
 
@@ -87,6 +104,7 @@ class Engine:
         policy: StoppingPolicy,
         verifier: Verifier,
         config: DecodeConfig = DecodeConfig(),
+        tree: TreeShaper | None = None,
     ):
         if backend.exit_layer != config.exit_layer:
             raise ConfigError(f"exit_layer: backend is split at layer {backend.exit_layer} but config.exit_layer={config.exit_layer}")
@@ -98,9 +116,28 @@ class Engine:
         if drafter is not None and getattr(backend, "inexact_multi_position", None):
             raise ConfigError(f"drafting on this backend would not be lossless: {backend.inexact_multi_position}")
         self.backend, self.drafter, self.policy, self.verifier, self.config = backend, drafter, policy, verifier, config
+        self.tree = tree if drafter is not None else None
         if drafter is not None:
             drafter.bind(backend)
         policy.bind(backend)
+        if self.tree is not None:
+            self._check_tree()
+            self.tree.bind(backend, policy)
+
+    def _check_tree(self) -> None:
+        """Token trees need every piece's tree support; refused in one line otherwise."""
+        name = self.tree.name or type(self.tree).__name__
+        if not getattr(self.backend, "supports_trees", False):
+            raise ConfigError(f"tree '{name}': the '{self.backend.name}' backend cannot verify token trees (torch can)")
+        if not getattr(self.drafter, "drafts_trees", False):
+            raise ConfigError(f"tree '{name}': the '{self.drafter.name or type(self.drafter).__name__}' drafter "
+                              "cannot draft token trees (the kangaroo drafter on the torch backend can)")
+        if type(self.verifier).verify_tree is Verifier.verify_tree:
+            raise ConfigError(f"tree '{name}': the '{self.verifier.name or type(self.verifier).__name__}' verifier "
+                              "cannot verify token trees (greedy and speculative can)")
+        if self.config.sampling.sample_drafts and not self.config.sampling.greedy:
+            raise ConfigError(f"tree '{name}': tree candidates are the drafter's top-k (point masses); "
+                              "--draft-sampling does not apply to trees")
 
     @classmethod
     def build(
@@ -117,35 +154,57 @@ class Engine:
         drafter_options: dict | None = None,
         policy_options: dict | None = None,
         verifier_options: dict | None = None,
+        tree: str | TreeShaper | None = None,
+        tree_options: dict | None = None,
     ) -> "Engine":
         """Resolve every piece (plugin name or object) once and load the model.
 
-        ``verifier="auto"`` is greedy at temperature 0 and speculative sampling otherwise.
+        ``verifier="auto"`` is greedy at temperature 0 and speculative sampling otherwise. ``tree`` (e.g.
+        ``"dynamic"``, options ``budget``, ``topk``, ``depth``) drafts a token tree per round instead of a chain.
         """
-        if verifier == "auto":
+        auto = verifier == "auto"
+        if auto:
             verifier = default_verifier(config)
         if isinstance(drafter, str) and adapter is not None:
             drafter_options = {**(drafter_options or {}), "adapter": adapter}
         policy_obj = _resolve("policy", policy, config, policy_options)
         verifier_obj = _resolve("verifier", verifier, config, verifier_options)
         drafter_obj = _resolve("drafter", drafter, config, drafter_options) if drafter is not None else None
+        tree_obj = _resolve("tree", tree, config, tree_options) if tree is not None else None
         backend_obj = _resolve("backend", backend, config, {"model": model, **(backend_options or {})})
-        return cls(backend_obj, drafter_obj, policy_obj, verifier_obj, config)
+        engine = cls(backend_obj, drafter_obj, policy_obj, verifier_obj, config, tree=tree_obj)
+        if isinstance(verifier, str):  # by name: with_sampling builds it again for another sampling config
+            engine._verifier_spec = ("auto" if auto else verifier, verifier_options)
+        return engine
+
+    #: (name or "auto", options) when :meth:`build` resolved the verifier by name; None for a verifier object.
+    _verifier_spec: tuple[str, dict | None] | None = None
+
+    def with_sampling(self, sampling: SamplingConfig) -> "Engine":
+        """This engine's loaded pieces (backend, drafter, policy: nothing is reloaded) decoding with ``sampling``.
+
+        For per-request sampling settings (``kangaroo serve``, ``model.generate``). A verifier built by name is
+        built again for ``sampling`` (it holds the target's processing), "auto" choosing greedy or speculative by
+        the new temperature. The copy shares every cache with this engine: decode with one of them at a time.
+        """
+        config = self.config.replace(sampling=sampling)
+        clone = copy.copy(self)
+        clone.config = config
+        if self._verifier_spec is not None:
+            name, options = self._verifier_spec
+            clone.verifier = _resolve("verifier", default_verifier(config) if name == "auto" else name, config, options)
+        elif getattr(self.verifier, "sampling", sampling) != sampling:  # an object holding other processing
+            raise ConfigError("this engine's verifier object was built for other sampling settings; build the engine "
+                              "with the verifier by name to change sampling per generation")
+        if not sampling.greedy and not clone.verifier.samples:
+            raise ConfigError(f"the {clone.verifier.name or type(clone.verifier).__name__} verifier is only lossless "
+                              f"at temperature 0, got temperature={sampling.temperature}")
+        return clone
 
     # -- prompts ---------------------------------------------------------------------------------------------------
     def encode(self, prompt: Prompt, *, chat: bool = True) -> list[int]:
         """Token ids of a prompt: a user message (chat template applied), a list of chat messages, or raw text."""
-        tokenizer = self.backend.tokenizer
-        if isinstance(prompt, str):
-            if not prompt.strip():
-                raise PromptError("the prompt is empty")
-            if not chat or not tokenizer.chat_template:
-                return tokenizer.encode(prompt)
-            prompt = [{"role": "user", "content": prompt}]
-        if not prompt:
-            raise PromptError("the conversation is empty")
-        ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        return encode_prompt(self.backend.tokenizer, prompt, chat=chat)
 
     def _check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         if prompt_len == 0:
@@ -181,8 +240,9 @@ class Engine:
         return self.config.replace(max_new_tokens=max_new_tokens).max_new_tokens  # validated like the config
 
     # -- the loop --------------------------------------------------------------------------------------------------
-    def decode(self, prompt_ids: list[int], max_new_tokens: int) -> Generator[list[int], None, GenerationResult]:
-        """Yield the tokens each round emits; return the :class:`GenerationResult`.
+    def decode(self, prompt_ids: list[int], max_new_tokens: int) -> Generator[Emitted, None, GenerationResult]:
+        """Yield the tokens each round emits (an :class:`~kangaroo_core.results.Emitted` list: which of them are
+        accepted drafts); return the :class:`GenerationResult`.
 
         ``seconds`` counts the engine's own work only: the clock stops at every ``yield`` and restarts when the
         consumer asks for more, so a slow consumer (printing, a network client) never shows up as decoding time.
@@ -210,7 +270,7 @@ class Engine:
         unseen = h_prompt  # layer-l states of positions drafter.seen.. that the drafter has not consumed yet
         output = [first.next_token]
         busy += time.perf_counter() - resumed
-        yield list(output)
+        yield Emitted(output)
         resumed = time.perf_counter()
         rounds: list[RoundResult] = []
 
@@ -219,45 +279,23 @@ class Engine:
             n = len(tokens) - 1  # position of x_n, the last committed token (not through M[:l] yet)
             budget = max_new_tokens - len(output)
             max_drafts = min(self.config.gamma, budget - 1) if drafter is not None else 0
-            t0 = time.perf_counter()
-
-            # 1. first early exit for x_n: its layer-l state starts this round's saved states.
-            h_last = backend.shallow(tokens[-1:], n)  # [1, d]
-            if drafter is not None:
-                unseen = torch.cat([unseen, h_last])
-
-            # 2. draft_tokens: adapter + shared head, until the policy (second early exit) or gamma stops us.
-            drafts, h_drafts, unseen = self.draft_tokens(tokens, unseen, max_drafts, generator)
-            t1 = time.perf_counter()
-
-            # 3. target_logits: one pass of M[l:] over the saved layer-l states of x_n, d_1..d_k.
-            verified = backend.deep(torch.cat([h_last, *h_drafts]), n)  # logits [k+1, V], hidden [k+1, d]
-            verdict: Verdict = self.verifier.verify(drafts, verified.logits)
-            m = self._chain_length(verdict, len(drafts))
-
-            # 4. accept: d_1..d_m + the target's token, cut at EOS and at the token budget.
-            emitted = [d.token for d in drafts[:m]] + [verdict.next_token]
-            for i, token in enumerate(emitted):
-                if token in eos:
-                    emitted = emitted[: i + 1]
-                    break
-            emitted = emitted[:budget]
-
-            # 5. roll back every cache to x_n, d_1..d_m (the next round starts with the target's token).
-            accepted_len = n + 1 + m
-            backend.crop(accepted_len)
-            unseen = self._rollback_drafter(unseen, accepted_len)
-            if drafter is not None and drafter.wants_deep_states:
-                drafter.observe_deep(n, verified.hidden[: m + 1])
-            t2 = time.perf_counter()
+            if self.tree is not None and max_drafts > 0:  # a token tree instead of a chain (kangaroo_core.tree_round)
+                done = tree_round(self, tokens, unseen, min(self.tree.depth, budget - 1), budget)
+                emitted, m, drafted, unseen = done.emitted, done.accepted, done.drafted, done.unseen
+                if drafter.wants_deep_states:
+                    drafter.observe_deep(n, done.accepted_deep)
+                timings = (done.draft_seconds, done.verify_seconds)
+            else:
+                emitted, m, drafted, unseen, timings = self._chain_round(tokens, unseen, max_drafts, budget, generator)
 
             output.extend(emitted)
-            rounds.append(RoundResult(len(drafts), m, len(emitted), t1 - t0, t2 - t1))
+            rounds.append(RoundResult(drafted, m, len(emitted), *timings))
             busy += time.perf_counter() - resumed
-            yield emitted
+            yield Emitted(emitted, from_drafts=min(m, len(emitted)), drafted=drafted)
             resumed = time.perf_counter()
 
-        text = backend.tokenizer.decode(output, skip_special_tokens=True)
+        # a backend built around a bare model object (model.generate) may have no tokenizer: ids only, no text
+        text = backend.tokenizer.decode(output, skip_special_tokens=True) if backend.tokenizer is not None else ""
         return GenerationResult(
             text=text,
             token_ids=output,
@@ -267,6 +305,46 @@ class Engine:
             gamma=self.config.gamma,
             stopped_on_eos=output[-1] in eos,
         )
+
+    def _chain_round(self, tokens: list[int], unseen: torch.Tensor, max_drafts: int, budget: int,
+                     generator: torch.Generator):
+        """One chain round (steps 1-5 of the paper's loop); returns (emitted, m, drafted, unseen, timings)."""
+        backend, drafter = self.backend, self.drafter
+        eos = backend.eos_token_ids
+        n = len(tokens) - 1
+        t0 = time.perf_counter()
+
+        # 1. first early exit for x_n: its layer-l state starts this round's saved states.
+        h_last = backend.shallow(tokens[-1:], n)  # [1, d]
+        if drafter is not None:
+            unseen = torch.cat([unseen, h_last])
+
+        # 2. draft_tokens: adapter + shared head, until the policy (second early exit) or gamma stops us.
+        drafts, h_drafts, unseen = self.draft_tokens(tokens, unseen, max_drafts, generator)
+        t1 = time.perf_counter()
+
+        # 3. target_logits: one pass of M[l:] over the saved layer-l states of x_n, d_1..d_k.
+        verified = backend.deep(torch.cat([h_last, *h_drafts]), n)  # logits [k+1, V], hidden [k+1, d]
+        verdict: Verdict = self.verifier.verify(drafts, verified.logits)
+        m = self._chain_length(verdict, len(drafts))
+
+        # 4. accept: d_1..d_m + the target's token, cut at EOS and at the token budget.
+        emitted = [d.token for d in drafts[:m]] + [verdict.next_token]
+        for i, token in enumerate(emitted):
+            if token in eos:
+                emitted = emitted[: i + 1]
+                break
+        emitted = emitted[:budget]
+
+        # 5. roll back every cache to x_n, d_1..d_m (the next round starts with the target's token).
+        accepted_len = n + 1 + m
+        backend.crop(accepted_len)
+        unseen = self._rollback_drafter(unseen, accepted_len)
+        if drafter is not None and drafter.wants_deep_states:
+            drafter.observe_deep(n, verified.hidden[: m + 1])
+        t2 = time.perf_counter()
+
+        return emitted, m, len(drafts), unseen, (t1 - t0, t2 - t1)
 
     def draft_tokens(
         self,

@@ -74,6 +74,20 @@ def register_verifiers(register):
 
 
 @hookspec
+def register_tree_shapers(register):
+    """Register tree shapers: ``register(name, TreeShaperSubclass)``.
+
+    A tree shaper decides how each round's token tree grows when the engine drafts a tree instead of a chain (see
+    :class:`kangaroo_core.interfaces.TreeShaper`): which tokens become children of a node (``children``), which of
+    the newest nodes go through M[:l] and the drafter to grow further (``expand``), and which nodes the one verify
+    pass checks (``select``: ancestor-closed, at most ``budget``). The engine does the batched passes, the tree
+    masks, verification and the cache bookkeeping. Selected with ``--tree NAME`` and ``--tree-budget`` /
+    ``--tree-topk`` / ``--tree-depth`` (built-in: ``dynamic``, EAGLE-2's dynamic tree; ``chain``, the paper's chain
+    as a tree of width 1 driven by the stopping policy).
+    """
+
+
+@hookspec
 def register_bench_methods(register):
     """Register bench methods for ``kangaroo bench``: ``register(name, BenchMethodSubclass)``.
 

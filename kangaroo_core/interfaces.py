@@ -14,6 +14,7 @@ One round of Kangaroo decoding (paper §3, "double early exiting")::
   it owns its positions (:attr:`SelfDrafter.seen`) and may receive the target's deep states of accepted positions.
 * :class:`StoppingPolicy` decides after each draft whether to draft another (the second early exit).
 * :class:`Verifier` compares the drafts with the target's logits and names the accepted path.
+* :class:`TreeShaper` decides the shape of a token tree when a round drafts several candidates per position.
 * :class:`BenchMethod` is one way of generating a reply that ``kangaroo bench`` measures.
 
 Positions are explicit: every call that adds to a cache says at which absolute position its first new entry goes
@@ -37,6 +38,7 @@ import torch
 if TYPE_CHECKING:
     from kangaroo_core.config import DecodeConfig
     from kangaroo_core.results import DraftStep, RoundResult, Verdict
+    from kangaroo_core.tree import DraftTree, TreeAttention, VerifyTree
 
 
 @attrs.frozen
@@ -98,15 +100,23 @@ class Backend(abc.ABC):
     def reset(self) -> None:
         """Forget all cached positions (start of a new generation)."""
 
-    @abc.abstractmethod
-    def shallow(self, token_ids: Sequence[int], start: int) -> torch.Tensor:
-        """Run M[:l] on ``token_ids`` at positions ``start..start+n-1``; return their layer-l hidden states [n, d]."""
+    #: True when :meth:`shallow` and :meth:`deep` take ``tree=`` (token-tree rounds; see :mod:`kangaroo_core.tree`).
+    supports_trees: bool = False
 
     @abc.abstractmethod
-    def deep(self, hidden: torch.Tensor, start: int, rows: Sequence[int] | None = None) -> DeepOutput:
+    def shallow(self, token_ids: Sequence[int], start: int, tree: "TreeAttention | None" = None) -> torch.Tensor:
+        """Run M[:l] on ``token_ids`` at positions ``start..start+n-1``; return their layer-l hidden states [n, d].
+
+        With ``tree`` (a :class:`~kangaroo_core.tree.TreeAttention`; only when :attr:`supports_trees`), the n new
+        rows still go to cache slots ``start..start+n-1`` but take the tree's RoPE positions and see only the
+        slots the tree lets them see (the committed prefix and their ancestors)."""
+
+    @abc.abstractmethod
+    def deep(self, hidden: torch.Tensor, start: int, rows: Sequence[int] | None = None,
+             tree: "TreeAttention | None" = None) -> DeepOutput:
         """Run M[l:] + final norm on saved layer-l states [n, d] of positions ``start..``; the LM head only on
         ``rows`` (indices into the n positions; None: every row). The prefill asks for its last row only: a
-        [prompt, V] logits matrix is most of a prefill's cost on a small model."""
+        [prompt, V] logits matrix is most of a prefill's cost on a small model. ``tree``: as for :meth:`shallow`."""
 
     @abc.abstractmethod
     def keep(self, positions: Sequence[int]) -> None:
@@ -174,6 +184,17 @@ class DraftRunner(abc.ABC):
         """Optional: the target's deep states [m, d] of accepted positions ``start..`` (see
         :meth:`SelfDrafter.observe_deep`), for networks that read them. Default: ignored."""
 
+    def advance_tree(self, hidden: torch.Tensor, start: int, tree: "TreeAttention") -> torch.Tensor:
+        """Optional (token trees): states [m, d] of tree nodes at slots ``start..`` → logits [m, V], one per node."""
+        raise NotImplementedError(f"{type(self).__name__} cannot draft token trees")
+
+    def keep(self, positions: Sequence[int]) -> None:
+        """Keep exactly these cached slots (ascending), compacted to the front; a prefix is :meth:`crop`."""
+        positions = list(positions)
+        if positions != list(range(len(positions))):
+            raise NotImplementedError(f"{type(self).__name__} can only crop its cache")
+        self.crop(len(positions))
+
 
 class SelfDrafter(abc.ABC):
     """Proposes draft tokens from the target's own layer-l hidden states.
@@ -223,6 +244,27 @@ class SelfDrafter(abc.ABC):
 
     #: Set True to receive :meth:`observe_deep` calls (the engine skips the slicing for drafters that ignore them).
     wants_deep_states: bool = False
+    #: True when the drafter implements :meth:`advance_tree` and :meth:`keep` (token-tree rounds).
+    drafts_trees: bool = False
+
+    def advance_tree(self, token_ids: Sequence[int], paths: Sequence[Sequence[int]], hidden: torch.Tensor,
+                     start: int, tree: "TreeAttention") -> torch.Tensor:
+        """Optional (token trees): consume the layer-l states [m, d] of m tree nodes placed at slots
+        ``start..start+m-1`` (``start == seen``) and return next-token logits [m, V], one row per node.
+
+        ``token_ids`` is the committed sequence (prompt, output, x_n); ``paths[i]`` the drafted tokens from the root
+        down to node i (its last token is node i's); ``tree`` says which slots each node sees (the committed prefix
+        and its ancestors) and its position. After the round the engine calls :meth:`keep` with the slots of the
+        accepted path."""
+        raise NotImplementedError(f"the '{self.name}' drafter cannot draft token trees")
+
+    def keep(self, positions: Sequence[int]) -> None:
+        """Keep exactly these slots (ascending), compacted to the front (after a tree round); the default accepts a
+        prefix only, which it crops."""
+        positions = list(positions)
+        if positions != list(range(len(positions))):
+            raise NotImplementedError(f"the '{self.name}' drafter cannot keep a tree path")
+        self.crop(len(positions))
 
     def observe_deep(self, start: int, hidden: torch.Tensor) -> None:
         """Optional: the target's final hidden states [m, d] of newly *accepted* positions ``start..start+m-1``.
@@ -292,6 +334,53 @@ class Verifier(abc.ABC):
     @abc.abstractmethod
     def verify(self, drafts: Sequence["DraftStep"], target_logits: torch.Tensor) -> "Verdict":
         """Compare k drafts with the target's logits [k+1, V] (row 0 follows x_n, row i follows draft i)."""
+
+    def verify_tree(self, tree: "VerifyTree", target_logits: torch.Tensor) -> "Verdict":
+        """Optional (token trees): ``target_logits`` [rows, V], row r the target's logits after tree row r (row 0:
+        the root x_n). Returns the accepted root path (rows >= 1, depth order; ``Verdict.path`` holds row - 1, the
+        node's index among the drafted rows) and the target's next token."""
+        raise NotImplementedError(f"the '{self.name}' verifier cannot verify token trees")
+
+
+class TreeShaper(abc.ABC):
+    """How each round's token tree grows: the plugin point of tree drafting (``--tree NAME``).
+
+    The engine grows the tree depth by depth. Each round starts from the root's draft distribution; for a node it
+    asks :meth:`children` which tokens to add under it; at each depth it asks :meth:`expand` which of the new
+    nodes to run through M[:l] and the drafter (one batched pass) to propose *their* children; at the end
+    :meth:`select` picks the nodes verified in the one pass of M[l:] (at most :attr:`budget`, ancestor-closed).
+    The built-in ``dynamic`` shaper is EAGLE-2's (cumulative draft probability ranks expansion and selection);
+    ``chain`` grows one child per node while the stopping policy says so — the chain of the paper as a tree.
+    """
+
+    name: str = ""
+    #: most drafted nodes verified per round, longest root path
+    budget: int = 8
+    depth: int = 6
+
+    @classmethod
+    def create(cls, config: "DecodeConfig", **options: Any) -> "TreeShaper":
+        """Build from the decode config and ``--tree-option KEY=VALUE`` / ``--tree-budget`` etc."""
+        return cls(**options)
+
+    def bind(self, backend: Backend, policy: StoppingPolicy) -> None:
+        """Called once when the engine is built (e.g. to size the tree from the backend's measured cost curve)."""
+
+    def start_round(self, tokens: Sequence[int], policy: StoppingPolicy) -> None:
+        """Called before each round with the committed sequence."""
+
+    @abc.abstractmethod
+    def children(self, tree: "DraftTree", node: int, probs: torch.Tensor) -> list[int]:
+        """Candidate tokens under ``node`` from the drafter's distribution ``probs`` [V] there, most likely first
+        (distinct tokens; point-mass proposals for the verifier)."""
+
+    @abc.abstractmethod
+    def expand(self, tree: "DraftTree", frontier: Sequence[int]) -> list[int]:
+        """Which of the newest nodes ``frontier`` get children (they go through M[:l] and the drafter)."""
+
+    @abc.abstractmethod
+    def select(self, tree: "DraftTree") -> list[int]:
+        """The nodes to verify (root excluded), ancestor-closed, at most :attr:`budget`."""
 
 
 # -- bench methods ------------------------------------------------------------------------------------------------------

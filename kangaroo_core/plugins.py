@@ -16,7 +16,7 @@ import pluggy
 
 from kangaroo_core import hookspecs
 from kangaroo_core.errors import PluginError
-from kangaroo_core.interfaces import Backend, BenchMethod, SelfDrafter, StoppingPolicy, Verifier
+from kangaroo_core.interfaces import Backend, BenchMethod, SelfDrafter, StoppingPolicy, TreeShaper, Verifier
 
 ENTRY_POINT_GROUP = "kangaroo"
 
@@ -27,6 +27,7 @@ KINDS: dict[str, tuple[str, type]] = {
     "policy": ("register_policies", StoppingPolicy),
     "verifier": ("register_verifiers", Verifier),
     "bench_method": ("register_bench_methods", BenchMethod),
+    "tree": ("register_tree_shapers", TreeShaper),
 }
 
 

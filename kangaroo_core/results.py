@@ -61,6 +61,22 @@ class Verdict:
         return len(self.path)
 
 
+class Emitted(list):
+    """The token ids one step of :meth:`~kangaroo_core.engine.Engine.decode` appends (a plain ``list`` otherwise).
+
+    ``from_drafts``: how many of them, from the front, are accepted drafts; the rest is the target's own token (none
+    when EOS or the token budget cut the round inside its accepted drafts). ``drafted``: how many drafts the round
+    proposed. The prefill's token has 0 and 0.
+    """
+
+    from_drafts: int = 0
+    drafted: int = 0
+
+    def __init__(self, tokens=(), from_drafts: int = 0, drafted: int = 0):
+        super().__init__(tokens)
+        self.from_drafts, self.drafted = from_drafts, drafted
+
+
 @attrs.frozen
 class RoundResult:
     """Statistics of one draft → stop → verify round."""

@@ -163,6 +163,26 @@ class KangarooHybridMethod(KangarooMethod):
     drafter = "kangaroo-hybrid"
 
 
+class KangarooTreeMethod(KangarooMethod):
+    """Our engine drafting a token tree per round (the run's drafter and adapter, the ``dynamic`` shaper unless
+    ``tree`` says otherwise). Options: ``budget`` (nodes verified per round, or "auto"), ``topk``, ``depth``; unset
+    ones come from the run's ``--tree-budget`` / ``--tree-topk`` / ``--tree-depth``."""
+
+    name = "kangaroo_tree"
+    rank = 5
+
+    def __init__(self, tree: str = "dynamic", budget: int | str | None = None, topk: int | None = None,
+                 depth: int | None = None, **options: Any):
+        super().__init__(**options)
+        self.tree = tree
+        self.tree_options = {k: v for k, v in (("budget", budget), ("topk", topk), ("depth", depth)) if v is not None}
+
+    def make_engine(self, context: BenchContext):
+        return context.engine(config=self.config_for(context), adapter=self.adapter_or_default, policy=self.policy,
+                              policy_options=self.policy_options, drafter=self.drafter or RUN_DEFAULT,
+                              tree=self.tree, tree_options=self.tree_options)
+
+
 class VanillaMethod(EngineMethod):
     """Our engine with no drafter: one token per pass (the engine's own baseline)."""
 
@@ -178,3 +198,4 @@ def register_bench_methods(register):
     register("vanilla", VanillaMethod)
     register("kangaroo", KangarooMethod)
     register("kangaroo_hybrid", KangarooHybridMethod)
+    register("kangaroo_tree", KangarooTreeMethod)

@@ -9,6 +9,7 @@ import torch
 from kangaroo_core.hookspecs import hookimpl
 from kangaroo_core.interfaces import Verifier
 from kangaroo_core.results import DraftStep, Verdict
+from kangaroo_core.tree import greedy_tree_walk
 
 
 def accept_length(draft_tokens: Sequence[int], target_tokens: Sequence[int]) -> int:
@@ -30,6 +31,11 @@ class GreedyVerifier(Verifier):
         target_tokens = target_logits.argmax(dim=-1).tolist()  # [k+1]
         accepted = accept_length([d.token for d in drafts], target_tokens)
         return Verdict.chain(accepted, target_tokens[accepted])
+
+    def verify_tree(self, tree, target_logits: torch.Tensor) -> Verdict:
+        """The longest root path matching the target's argmax after each parent, then the target's token."""
+        path, token = greedy_tree_walk(tree, target_logits.argmax(dim=-1).tolist())
+        return Verdict([r - 1 for r in path], token)
 
 
 @hookimpl

@@ -28,6 +28,7 @@ from kangaroo_core.hookspecs import hookimpl
 from kangaroo_core.interfaces import Verifier
 from kangaroo_core.results import DraftStep, Verdict
 from kangaroo_core.sampling import draw, make_generator, target_probs, uniform
+from kangaroo_core.tree import sample_tree_walk
 
 
 def acceptance_probability(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -97,6 +98,13 @@ class SpeculativeVerifier(Verifier):
             residual = residual_distribution(p[i], proposal_of(step, vocab_size))  # [V]
             return Verdict.chain(i, draw(residual, self.generator))
         return Verdict.chain(len(drafts), draw(p[len(drafts)], self.generator))
+
+    def verify_tree(self, tree, target_logits: torch.Tensor) -> Verdict:
+        """Multi-candidate rejection sampling over each node's children (point-mass candidates, see
+        :func:`kangaroo_core.tree.sample_tree_walk`): the emitted tokens are distributed as the target's."""
+        p = target_probs(target_logits, self.sampling)  # [rows, V]
+        path, token = sample_tree_walk(tree, p, lambda: uniform(self.generator), lambda q: draw(q, self.generator))
+        return Verdict([r - 1 for r in path], token)
 
 
 @hookimpl

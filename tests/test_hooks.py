@@ -46,6 +46,15 @@ def test_hook_register_verifiers():
     assert issubclass(cls, Verifier)
 
 
+def test_hook_register_tree_shapers():
+    from kangaroo_core.interfaces import TreeShaper
+    from kangaroo_policies.tree_shapes import DynamicTree
+
+    cls = type("MyTree", (DynamicTree,), {})
+    assert registered("register_tree_shapers", "my-tree", cls, "tree") is cls
+    assert issubclass(cls, TreeShaper)
+
+
 def test_hook_register_bench_methods():
     cls = type("MyMethod", (BenchMethod,), {})
     assert registered("register_bench_methods", "my-method", cls, "bench_method") is cls

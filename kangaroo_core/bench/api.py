@@ -38,11 +38,13 @@ class BenchContext:
 
     def __init__(self, backend: "Backend", config: "DecodeConfig", *, drafter: str = "kangaroo",
                  policy: str = "threshold", verifier: str = "auto", adapter: str | None = None,
-                 policy_options: dict[str, Any] | None = None, drafter_options: dict[str, Any] | None = None):
+                 policy_options: dict[str, Any] | None = None, drafter_options: dict[str, Any] | None = None,
+                 tree_options: dict[str, Any] | None = None):
         self.backend, self.config = backend, config
         self.drafter, self.policy, self.verifier, self.adapter = drafter, policy, verifier, adapter
         self.policy_options = dict(policy_options or {})
         self.drafter_options = dict(drafter_options or {})
+        self.tree_options = dict(tree_options or {})  # the run's --tree-budget / --tree-topk / --tree-depth
         self._backends = {backend.exit_layer: backend}
         self._encoder: "Engine | None" = None
 
@@ -85,9 +87,11 @@ class BenchContext:
     def engine(self, *, drafter: Any = RUN_DEFAULT, config: "DecodeConfig | None" = None,
                adapter: Any = RUN_DEFAULT, exit_layer: int | None = None, policy: Any = None,
                verifier: Any = None, policy_options: dict[str, Any] | None = None,
-               backend: "Backend | None" = None) -> "Engine":
+               backend: "Backend | None" = None, tree: Any = None, tree_options: dict[str, Any] | None = None,
+               ) -> "Engine":
         """An engine on the shared backend (or ``backend``). ``drafter=None``: the target alone; every other default
-        (drafter, adapter, policy and its options, verifier) comes from the context."""
+        (drafter, adapter, policy and its options, verifier) comes from the context. ``tree``: a tree shaper
+        name (options: ``tree_options`` over the run's ``--tree-*`` flags) for token-tree rounds."""
         from kangaroo_core.engine import Engine
 
         config = config or self.config
@@ -100,7 +104,8 @@ class BenchContext:
         return Engine.build(config=config, backend=backend or self.backend_at(config.exit_layer), drafter=drafter,
                             policy=policy, verifier=verifier or self.verifier, adapter=adapter,
                             policy_options=policy_options or None,
-                            drafter_options=dict(self.drafter_options) if isinstance(drafter, str) else None)
+                            drafter_options=dict(self.drafter_options) if isinstance(drafter, str) else None,
+                            tree=tree, tree_options={**self.tree_options, **(tree_options or {})} if tree else None)
 
 
 def trim(tokens: Sequence[int], eos: frozenset[int], max_new_tokens: int) -> list[int]:

@@ -201,15 +201,21 @@ class KangarooAdapter(nn.Module):
         param = next(self.parameters())
         return KVCache(1, c.num_key_value_heads, head_dim, param.dtype, device=param.device)
 
-    def forward(self, hidden: torch.Tensor, start: int, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, start: int, cache: KVCache | None = None, tree=None) -> torch.Tensor:
         """hidden: layer-l states [B, n, d] of positions start..start+n-1 → [B, n, d] (before the LM head).
 
         Batches (training) must be right-padded: the causal mask keeps real positions away from the padding.
+        ``tree`` (a :class:`~kangaroo_core.tree.TreeAttention`, drafting a token tree): the rows are tree nodes at
+        cache slots start..; positions and visibility come from the tree.
         """
         n = hidden.shape[1]
         positions = torch.arange(start, start + n, device=hidden.device)
-        position_embeddings = self.rotary_emb(hidden, positions[None])
-        mask = causal_mask(n, start if cache is not None else 0, hidden.dtype, hidden.device)
+        if tree is None:
+            position_embeddings = self.rotary_emb(hidden, positions[None])
+            mask = causal_mask(n, start if cache is not None else 0, hidden.dtype, hidden.device)
+        else:
+            position_embeddings = self.rotary_emb(hidden, tree.position_ids(hidden.device)[None])
+            mask = tree.additive_mask(start + n, hidden.dtype, hidden.device)
         attended, _ = self.attention(
             self.input_norm(hidden),
             position_embeddings=position_embeddings,

@@ -106,6 +106,15 @@ class DeepContextAdapter(KangarooAdapter):
         attended = torch.matmul(torch.softmax(scores, dim=-1), values)  # [1, kvh, rep, hd]
         return self.finish(x_q, attended.reshape(1, self.heads, 1, self.head_dim))
 
+    def attend_masked(self, x_q: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      allowed: torch.Tensor) -> torch.Tensor:
+        """Tree drafting: queries x_q [1, m, d] at ``positions`` [m] over the cached keys [1, kvh, T, hd], query i
+        reading only the slots ``allowed[i]`` ([m, T] bool: the prefix and its ancestors) → [1, m, d]."""
+        q = self.queries(x_q, positions)  # [1, H, m, hd]
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            q, self._expand(keys), self._expand(values), attn_mask=allowed[None, None], scale=self.scaling)
+        return self.finish(x_q, attended)
+
     # -- training: every draft depth in one pass -------------------------------------------------------------------
     def forward_depths(self, hidden: torch.Tensor, deep: torch.Tensor, depths, first_query: int = 0) -> list[torch.Tensor]:
         """hidden, deep [B, T, d] (right-padded; deep of position s = z_s) → one output [B, T, d] per depth j.

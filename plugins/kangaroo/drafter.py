@@ -108,3 +108,16 @@ class KangarooDrafter(SelfDrafter):
 
     def observe_deep(self, start: int, hidden: torch.Tensor) -> None:
         self.runner.observe_deep(start, hidden)
+
+    # -- token trees (torch runtime: the runners with a tree mask) -------------------------------------------------
+    @property
+    def drafts_trees(self) -> bool:
+        from kangaroo_plugins.kangaroo.runners import TorchAdapterRunner
+
+        return isinstance(self.runner, TorchAdapterRunner)
+
+    def advance_tree(self, token_ids: Sequence[int], paths, hidden: torch.Tensor, start: int, tree) -> torch.Tensor:
+        return self.runner.advance_tree(hidden, start, tree)  # [m, V]
+
+    def keep(self, positions: Sequence[int]) -> None:
+        self.runner.keep(positions)

@@ -39,6 +39,17 @@ class TorchAdapterRunner(DraftRunner):
         out = self.adapter(hidden[None], start, self.cache)  # [1, n, d]
         return self.head(out[0, -1])  # [V]
 
+    @torch.inference_mode()
+    def advance_tree(self, hidden: torch.Tensor, start: int, tree) -> torch.Tensor:
+        """Tree nodes [m, d] at slots start.. → logits [m, V] (each node sees the prefix and its ancestors)."""
+        check_start("adapter", start, self.length)
+        out = self.adapter(hidden[None], start, self.cache, tree=tree)  # [1, m, d]
+        return self.head(out[0])  # [m, V]
+
+    @torch.inference_mode()
+    def keep(self, positions) -> None:
+        self.cache.keep(positions)
+
 
 class _DeepContext:
     """What a deep-context runner remembers besides its KV cache: the layer-l states of the positions it has seen
@@ -101,11 +112,14 @@ class DeepContextTorchRunner(TorchAdapterRunner):
         super().reset()
         self.context.known = 0
 
-    def _write(self, start: int, n: int) -> None:
-        """Append keys/values of positions start..start+n-1 (the cache holds exactly start positions)."""
+    def _write(self, start: int, n: int, positions: torch.Tensor | None = None) -> None:
+        """Append keys/values of slots start..start+n-1 (the cache holds exactly start slots); RoPE at
+        ``positions`` (default: the slots themselves; a tree's nodes sit at their depth's position)."""
         a, c = self.adapter, self.context
         y = a.kv_input(c.hidden[start:start + n], c.deep_rows(start, n), c.known_mask(start, n))
-        k, v = a.keys_values(y[None], torch.arange(start, start + n, device=y.device))
+        if positions is None:
+            positions = torch.arange(start, start + n, device=y.device)
+        k, v = a.keys_values(y[None], positions)
         self.cache.update(k, v, 0)
 
     @torch.inference_mode()
@@ -120,6 +134,29 @@ class DeepContextTorchRunner(TorchAdapterRunner):
         keys, values = self.cache.layer(0)
         out = a.attend_all(x_q[None], torch.tensor([q], device=hidden.device), keys, values)
         return self.head(out[0, -1])  # [V]
+
+    @torch.inference_mode()
+    def advance_tree(self, hidden: torch.Tensor, start: int, tree) -> torch.Tensor:
+        """Tree nodes [m, d] at slots start..: none has a deep state, so their keys are plain; each query reads
+        the latest verified deep state and its own draft depth (position − verified positions)."""
+        check_start("adapter", start, self.length)
+        a, c, m = self.adapter, self.context, hidden.shape[0]
+        positions = tree.position_ids(hidden.device)
+        c.store_hidden(hidden, start)
+        self._write(start, m, positions)
+        depth = positions - c.known
+        x_q = a.query_input(hidden, c.latest()[None].expand(m, -1), depth)  # [m, d]
+        keys, values = self.cache.layer(0)
+        out = a.attend_masked(x_q[None], positions, keys, values, tree.allowed(start + m, hidden.device))
+        return self.head(out[0])  # [m, V]
+
+    @torch.inference_mode()
+    def keep(self, positions) -> None:
+        """Keep these slots of the cache and of the remembered layer-l states (the accepted tree path)."""
+        positions = list(positions)
+        index = torch.as_tensor(positions, dtype=torch.long, device=self.context.hidden.device)
+        self.context.hidden[: len(positions)] = self.context.hidden.index_select(0, index)
+        self.cache.keep(positions)
 
     @torch.inference_mode()
     def observe_deep(self, start: int, deep: torch.Tensor) -> None:
