@@ -30,7 +30,6 @@ call.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -43,8 +42,10 @@ SAMPLING_WARPERS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWa
 #: Output options of generate() that Kangaroo cannot fill in (its passes are not one forward per token).
 UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
-_ENGINES: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
-_LAST: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
+#: attributes on the user's model object: its engines (by settings) and the last result. Kept on the model itself,
+#: not in a module-level map, so ``del model`` frees everything (engine -> backend -> model is a collectable cycle).
+ENGINES_ATTR = "_kangaroo_engines"
+LAST_ATTR = "_kangaroo_last_result"
 
 
 class UnsupportedGenerateOption(KangarooError, ValueError):
@@ -91,7 +92,7 @@ def kangaroo_generate(
         engine = engine.with_sampling(_sampling(generation_config))
         engine.backend.eos_token_ids = _eos_ids(generation_config)
         new, result = _decode(engine, prompt, budget, input_ids, stopping_criteria, kangaroo_streamer)
-        _LAST[model] = result
+        model.__dict__[LAST_ATTR] = result
     if kangaroo_streamer is not None:
         kangaroo_streamer.end()
     sequences = torch.cat([input_ids, torch.tensor([new], dtype=input_ids.dtype, device=input_ids.device)], dim=1)
@@ -105,7 +106,7 @@ def kangaroo_generate(
 def last_result(model):
     """The :class:`~kangaroo_core.results.GenerationResult` of the last :func:`kangaroo_generate` call on ``model``
     (None before the first): CR (``mean_accepted_tokens``), rounds, draft/verify seconds."""
-    return _LAST.get(model)
+    return model.__dict__.get(LAST_ATTR)
 
 
 # -- steps --------------------------------------------------------------------------------------------------------
@@ -130,6 +131,16 @@ def _check_supported(input_ids, generation_config, logits_processor, model_kwarg
     if others:
         raise UnsupportedGenerateOption(f"kangaroo_generate applies only temperature/top_k/top_p; unsupported logits "
                                         f"processor(s): {', '.join(others)}")
+    if getattr(generation_config, "return_legacy_cache", None) is True:
+        raise UnsupportedGenerateOption("kangaroo_generate returns no cache (return_legacy_cache=True)")
+    for warper in logits_processor or []:  # a warper passed in by hand must say what generation_config says
+        name, config = type(warper).__name__, generation_config
+        mismatch = ((name == "TemperatureLogitsWarper" and warper.temperature != config.temperature)
+                    or (name == "TopKLogitsWarper" and warper.top_k != max(config.top_k or 0, 1))
+                    or (name == "TopPLogitsWarper" and warper.top_p != config.top_p))
+        if mismatch:
+            raise UnsupportedGenerateOption(f"kangaroo_generate reads temperature/top_k/top_p from generate()'s "
+                                            f"arguments, not from a {name} passed in logits_processor")
 
 
 def _sampling(generation_config) -> SamplingConfig:
@@ -158,8 +169,9 @@ def _engine_for(model, adapter, exit_layer, eta, gamma, policy, kernels):
     from kangaroo_core.plugins import get_registry
 
     TorchBackend = get_registry().resolve("backend", "torch")
-    key = (adapter, exit_layer, eta, gamma, policy, kernels)
-    engines = _ENGINES.setdefault(model, {})
+    param = next(model.parameters())
+    key = (adapter, exit_layer, eta, gamma, policy, kernels, param.device, param.dtype)  # a moved model: a new view
+    engines = model.__dict__.setdefault(ENGINES_ATTR, {})
     if key not in engines:
         config = DecodeConfig(eta=eta, gamma=gamma, exit_layer=exit_layer)
         backend = TorchBackend(model, None, exit_layer, model_name=getattr(model, "name_or_path", "model") or "model",

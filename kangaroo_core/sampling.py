@@ -3,8 +3,8 @@
 Processing is exactly transformers' ``generate(do_sample=True, temperature=t, top_k=k, top_p=p)``:
 ``TemperatureLogitsWarper`` → ``TopKLogitsWarper`` → ``TopPLogitsWarper`` (each only when it changes something:
 t != 1, k != 0, p < 1; filtered logits become -inf), so "the target alone" means the same thing here and there.
-Processing runs in the logits' own dtype (like transformers); the probabilities are then taken in float64 on the
-CPU, where every random draw happens (one CPU ``torch.Generator`` per generation, whatever the model's device).
+Processing runs in float32 (transformers' sampling loop casts the logits to float32 first); the probabilities are
+then taken in float64 on the CPU, where every random draw happens (one CPU ``torch.Generator`` per generation, whatever the model's device).
 
 Shapes: ``[..., V]`` logits in, ``[..., V]`` out (one row per position).
 """
@@ -45,7 +45,8 @@ def target_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor
     logits = logits.detach().cpu()
     if sampling.greedy:
         return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).to(torch.float64)
-    return torch.softmax(process_logits(logits, sampling).to(torch.float64), dim=-1)
+    # processed in float32 like transformers' sampling loop (it casts the logits first), whatever the model's dtype
+    return torch.softmax(process_logits(logits.float(), sampling).to(torch.float64), dim=-1)
 
 
 def make_generator(seed: int | None) -> torch.Generator:

@@ -94,8 +94,9 @@ class DraftTree:
 class VerifyTree:
     """What a verifier sees of a tree: verify row 0 is the root, row r >= 1 the r-th selected node.
 
-    ``parents[r]`` is the row of row r's parent (-1 for the root); ``tokens[r]`` its token; ``children`` per row, in
-    the drafter's order of preference (most likely first).
+    ``parents[r]`` is the row of row r's parent (-1 for the root; a parent's row is always smaller); ``tokens[r]``
+    its token; ``children`` per row, in row order. (The order candidates are tried in changes which one is accepted,
+    never the distribution of what is emitted.)
     """
 
     tokens: tuple[int, ...]

@@ -86,15 +86,17 @@ def tree_round(engine, tokens: list[int], unseen: torch.Tensor, max_depth: int, 
         next_slot += len(chosen)
 
     # 3. select (ancestor-closed, at most the budget, no deeper than the token budget allows); leaves' states
-    order = sorted((v for v in shaper.select(tree) if tree.depths[v] <= max_depth),
-                   key=lambda v: (tree.depths[v], v))[: shaper.budget]
-    _check_closed(tree, order)
-    missing = [v for v in order if v not in states]
+    selected = sorted((v for v in shaper.select(tree) if tree.depths[v] <= max_depth),
+                      key=lambda v: (tree.depths[v], v))[: shaper.budget]
+    _check_closed(tree, selected)
+    missing = [v for v in selected if v not in states]
     if missing:
         attention = _attention(tree, missing, slot, next_slot, committed=n + 1, base=n)
         h = backend.shallow([tree.tokens[v] for v in missing], next_slot, tree=attention)
         for i, v in enumerate(missing):
             slot[v], states[v] = next_slot + i, h[i]
+    # verify rows in slot order: ascending compaction, and a parent (expanded earlier) always before its children
+    order = sorted(selected, key=lambda v: slot[v])
     t1 = time.perf_counter()
 
     # 4. verify: compact the shallow cache to prefix + root + selected (verify order), one pass of M[l:]

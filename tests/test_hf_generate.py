@@ -57,12 +57,24 @@ def test_the_users_model_is_not_copied_and_the_engine_is_reused(tiny):
     kangaroo(tiny, max_new_tokens=5)
     from kangaroo_core import hf
 
-    engines = hf._ENGINES[tiny]
+    engines = tiny.__dict__[hf.ENGINES_ATTR]
     backend = next(iter(engines.values())).backend
     kangaroo(tiny, max_new_tokens=5)
-    assert len(hf._ENGINES[tiny]) == 1 and next(iter(hf._ENGINES[tiny].values())).backend is backend
+    assert len(tiny.__dict__[hf.ENGINES_ATTR]) == 1 and next(iter(tiny.__dict__[hf.ENGINES_ATTR].values())).backend is backend
     assert backend.model is tiny and backend.embed_tokens is tiny.model.embed_tokens
     assert {name: p.data_ptr() for name, p in tiny.named_parameters()} == before
+
+
+def test_deleting_the_model_frees_it_and_its_engine():
+    import gc
+    import weakref
+
+    model = tiny_llama(8, vocab=64)
+    kangaroo(model, max_new_tokens=3)
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
 
 
 def test_return_dict_and_max_length(tiny):
@@ -133,11 +145,20 @@ def test_sampling_is_reproducible_under_torch_manual_seed_and_follows_top_k(tiny
     ({"repetition_penalty": 1.3}, "RepetitionPenaltyLogitsProcessor"),
     ({"min_new_tokens": 3}, "MinNewTokensLengthLogitsProcessor"),
     ({"output_scores": True, "return_dict_in_generate": True}, "output_scores"),
+    ({"return_dict_in_generate": True, "return_legacy_cache": True}, "return_legacy_cache"),
 ])
 def test_what_it_cannot_do_is_refused_in_one_line(tiny, options, message):
     with pytest.raises(UnsupportedGenerateOption, match=message) as info:
         kangaroo(tiny, max_new_tokens=5, **options)
     assert "\n" not in str(info.value)
+
+
+def test_a_hand_made_warper_that_disagrees_with_the_arguments_is_refused(tiny):
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper
+
+    with pytest.raises(UnsupportedGenerateOption, match="TemperatureLogitsWarper"):
+        kangaroo(tiny, max_new_tokens=5, do_sample=True,
+                 logits_processor=LogitsProcessorList([TemperatureLogitsWarper(0.5)]))
 
 
 def test_batch_and_padding_are_refused(tiny):
@@ -190,6 +211,6 @@ def test_real_model_generate_is_identical_and_uses_the_shipped_adapter():
                           custom_generate=kangaroo_generate).tolist() == cut.tolist()
     from kangaroo_core import hf
 
-    engine = next(iter(hf._ENGINES[model].values()))
+    engine = next(iter(model.__dict__[hf.ENGINES_ATTR].values()))
     assert engine.drafter.resolved_adapter is not None  # the shipped SmolLM2 adapter, found by fingerprint
     assert accepted / len(prompts) > 1.2  # a trained adapter: drafts are accepted

@@ -247,6 +247,17 @@ def test_a_client_that_disconnects_cancels_its_generation(slow_server):
     assert reply.status_code == 200
 
 
+def test_a_non_streaming_client_that_leaves_cancels_its_generation(slow_server):
+    body = {"model": slow_server.model, "messages": [{"role": "user", "content": "tell me a story"}], "max_tokens": 100}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(slow_server.url + "/v1/chat/completions", json=body, timeout=1.0)  # gives up and hangs up
+    deadline = time.monotonic() + 10
+    while metric(slow_server, "kangaroo_cancelled_total") < 1:
+        assert time.monotonic() < deadline, "the generation went on after its client left"
+        time.sleep(0.05)
+    assert metric(slow_server, "kangaroo_new_tokens_total") == 0
+
+
 def test_a_full_queue_answers_429_at_once(slow_server):
     threads = []
     for _ in range(2):  # one runs, one waits: the queue (size 1) is full

@@ -91,15 +91,7 @@ def create_app(engine, *, model_id: str | None = None, queue_size: int = 16, def
         error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
         return JSONResponse(error.body(), status_code=500)
 
-    @app.middleware("http")
-    async def _count(request: Request, call_next):
-        began = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        endpoint = getattr(route, "path", "other")
-        metrics.requests.labels(endpoint=endpoint, status=str(response.status_code)).inc()
-        metrics.request_seconds.labels(endpoint=endpoint).observe(time.perf_counter() - began)
-        return response
+    app.add_middleware(RequestMetrics, metrics=metrics)
 
     # -- the two generation routes -----------------------------------------------------------------------------
     async def admit(request: Request, kind: type):
@@ -176,6 +168,39 @@ def create_app(engine, *, model_id: str | None = None, queue_size: int = 16, def
     return app
 
 
+class RequestMetrics:
+    """Counts requests by route and status and times them to their last body byte (a stream's end, not its first
+    chunk). A plain ASGI middleware: Starlette's ``@app.middleware("http")`` wrapper would hide the client's
+    disconnect from ``request.is_disconnected()``, which non-streaming requests poll to cancel their job."""
+
+    def __init__(self, app, metrics: ServerMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        began, state = time.perf_counter(), {"status": 500, "done": False}
+
+        def record():
+            if not state["done"]:
+                state["done"] = True
+                endpoint = getattr(scope.get("route"), "path", "other")
+                self.metrics.requests.labels(endpoint=endpoint, status=str(state["status"])).inc()
+                self.metrics.request_seconds.labels(endpoint=endpoint).observe(time.perf_counter() - began)
+
+        async def counted_send(message):
+            if message["type"] == "http.response.start":
+                state["status"] = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                record()
+
+        try:
+            await self.app(scope, receive, counted_send)
+        finally:
+            record()  # a stream cut by its client still counts, with the time it ran
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The body, refused with 413 as soon as it passes ``limit`` bytes (announced or streamed)."""
     announced = request.headers.get("content-length")
@@ -205,20 +230,25 @@ def sampling_of(req, defaults: SamplingConfig) -> SamplingConfig:
 
 
 async def collect(job: Job, request: Request) -> Finished:
-    """Wait for a non-streaming job; cancel it if the client disconnects meanwhile."""
+    """Wait for a non-streaming job; cancel it if the client disconnects meanwhile (checked every
+    ``DISCONNECT_POLL_SECONDS``, whether or not rounds keep arriving)."""
+    loop = asyncio.get_running_loop()
+    next_check = loop.time() + DISCONNECT_POLL_SECONDS
     try:
         while True:
             try:
-                event = await asyncio.wait_for(job.events.get(), timeout=DISCONNECT_POLL_SECONDS)
+                event = await asyncio.wait_for(job.events.get(), timeout=max(0.0, next_check - loop.time()))
             except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    job.cancel()
-                    raise ApiError(499, "the client closed the connection", code="client_closed") from None
-                continue
+                event = None
             if isinstance(event, Finished):
                 return event
             if isinstance(event, Failed):
                 raise event.error
+            if loop.time() >= next_check:
+                if await request.is_disconnected():
+                    job.cancel()
+                    raise ApiError(499, "the client closed the connection", code="client_closed")
+                next_check = loop.time() + DISCONNECT_POLL_SECONDS
     finally:
         job.cancel()  # a no-op once finished; stops the work if this handler is torn down
 

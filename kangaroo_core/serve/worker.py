@@ -143,6 +143,7 @@ class EngineWorker:
         self.engine, self.metrics = engine, metrics
         self.queue: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
         self.running: Job | None = None
+        self.stopping = False
         self.thread = threading.Thread(target=self._run, name="kangaroo-engine", daemon=True)
         metrics.queue_depth.set_function(self.depth)
 
@@ -150,7 +151,8 @@ class EngineWorker:
         self.thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Cancel what waits and what runs, and end the thread."""
+        """Cancel what waits and what runs (their clients get a 503 event), and end the thread."""
+        self.stopping = True  # submit refuses from now on, so the queue only shrinks
         if self.running is not None:
             self.running.cancel()
         while True:
@@ -161,7 +163,7 @@ class EngineWorker:
             if job is not None:
                 job.cancel()
                 job.emit(Failed(ApiError(503, "the server is shutting down", type="server_error", code="shutdown")))
-        self.queue.put(None)
+        self.queue.put(None, timeout=timeout)
         self.thread.join(timeout)
 
     @property
@@ -174,7 +176,7 @@ class EngineWorker:
 
     def submit(self, job: Job) -> None:
         """Queue ``job``, or refuse at once with 429 when the queue is full."""
-        if not self.alive:
+        if not self.alive or self.stopping:
             raise ApiError(503, "the engine is not running", type="server_error", code="engine_down")
         try:
             self.queue.put_nowait(job)
@@ -217,9 +219,12 @@ class EngineWorker:
                 break
             finally:
                 stats["engine_seconds"] += time.perf_counter() - started
-            if job.cancelled.is_set():  # the client went away: stop decoding between two rounds
+            if job.cancelled.is_set():  # the client went away (or the server stops): stop between two rounds
                 loop.close()
                 self.metrics.cancelled.inc()
+                if self.stopping:
+                    job.emit(Failed(ApiError(503, "the server is shutting down", type="server_error",
+                                             code="shutdown")))
                 return
             self._count(stats, emitted)
             segments = text.add(emitted, emitted.from_drafts)
