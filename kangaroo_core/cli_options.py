@@ -170,6 +170,14 @@ class EngineOptions:
             return None
         return _resolve("tree", self.tree, config or self.config(), self.parsed_tree_options())
 
+    @classmethod
+    def from_args(cls, args: list[str]) -> "EngineOptions":
+        """The options ``kangaroo generate`` would build from these flags (for tools that take engine flags)."""
+        from kangaroo_core.cli import cli
+
+        ctx = cli.commands["generate"].make_context("generate", ["-", *args])
+        return cls(**{k: v for k, v in ctx.params.items() if k in _FIELDS})
+
     def summary(self) -> dict[str, Any]:
         """The choices, for results files."""
         out = attrs.asdict(self)

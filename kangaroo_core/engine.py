@@ -62,6 +62,13 @@ def _resolve(kind: str, piece: Any, config: DecodeConfig, options: dict | None):
         raise ConfigError(f"{kind} '{piece}': bad option value ({exc}); valid options: {option_names(factory)}") from None
 
 
+def _check_verifier(verifier: Verifier, sampling: SamplingConfig) -> None:
+    """A verifier that is not lossless under sampling is refused at temperature > 0."""
+    if not sampling.greedy and not verifier.samples:
+        raise ConfigError(f"the {verifier.name or type(verifier).__name__} verifier is only lossless at temperature 0, "
+                          f"got temperature={sampling.temperature}; use the speculative verifier (or auto)")
+
+
 def option_names(factory: type) -> str:
     """The keyword options a plugin class takes (its ``__init__`` parameters), for error messages."""
     try:
@@ -108,11 +115,7 @@ class Engine:
     ):
         if backend.exit_layer != config.exit_layer:
             raise ConfigError(f"exit_layer: backend is split at layer {backend.exit_layer} but config.exit_layer={config.exit_layer}")
-        if not config.sampling.greedy and not verifier.samples:
-            raise ConfigError(
-                f"the {verifier.name or type(verifier).__name__} verifier is only lossless at temperature 0, got "
-                f"temperature={config.sampling.temperature}; use the speculative verifier (or auto)"
-            )
+        _check_verifier(verifier, config.sampling)
         if drafter is not None and getattr(backend, "inexact_multi_position", None):
             raise ConfigError(f"drafting on this backend would not be lossless: {backend.inexact_multi_position}")
         self.backend, self.drafter, self.policy, self.verifier, self.config = backend, drafter, policy, verifier, config
@@ -196,9 +199,7 @@ class Engine:
         elif getattr(self.verifier, "sampling", sampling) != sampling:  # an object holding other processing
             raise ConfigError("this engine's verifier object was built for other sampling settings; build the engine "
                               "with the verifier by name to change sampling per generation")
-        if not sampling.greedy and not clone.verifier.samples:
-            raise ConfigError(f"the {clone.verifier.name or type(clone.verifier).__name__} verifier is only lossless "
-                              f"at temperature 0, got temperature={sampling.temperature}")
+        _check_verifier(clone.verifier, sampling)
         return clone
 
     # -- prompts ---------------------------------------------------------------------------------------------------

@@ -216,3 +216,12 @@ def test_shipped_adapter_is_the_default_for_its_base_model(tmp_path, engine, tin
     by_name = kangaroo_drafter.KangarooDrafter(adapter="a-first-by-name")
     by_name.bind(engine.backend)
     assert by_name.resolved_adapter == str(shipped / "a-first-by-name")
+
+
+def test_engine_options_from_the_generate_flags():
+    from kangaroo_core.cli_options import EngineOptions
+
+    opts = EngineOptions.from_args(["--tree", "dynamic", "--tree-budget", "4", "--eta", "0.3", "--threads", "1"])
+    assert opts.tree == "dynamic" and opts.eta == 0.3 and opts.threads == 1
+    assert opts.parsed_tree_options() == {"budget": 4}
+    assert EngineOptions.from_args([]) == EngineOptions()

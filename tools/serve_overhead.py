@@ -54,7 +54,7 @@ def main(questions, limit, repeats, use_subprocess, max_new_tokens, port, out, e
     from tqdm import tqdm
 
     from kangaroo_core.bench.questions import load_questions
-    from kangaroo_core.cli import cli
+    from kangaroo_core.cli_options import EngineOptions
     from kangaroo_core.serve.local import free_port
 
     from kangaroo_core.serve.app import create_app
@@ -69,12 +69,7 @@ def main(questions, limit, repeats, use_subprocess, max_new_tokens, port, out, e
                                    "--log-level", "warning", "--max-new-tokens", str(max_new_tokens), *engine_args])
     try:
         # this side: the same flags, parsed by the same command line, into an engine
-        ctx = cli.commands["generate"].make_context("generate", ["x", "--max-new-tokens", str(max_new_tokens),
-                                                                 *engine_args])
-        from kangaroo_core.cli_options import EngineOptions, _FIELDS
-
-        opts = EngineOptions(**{k: v for k, v in ctx.params.items() if k in _FIELDS})
-        engine = opts.engine()
+        engine = EngineOptions.from_args(["--max-new-tokens", str(max_new_tokens), *engine_args]).engine()
         engine.generate("Hello", max_new_tokens=4)
         if use_subprocess:
             wait_healthy(url, server)

@@ -69,12 +69,10 @@ def draw(view, verdict, tokenizer, out: str, title: str) -> None:
 @click.option("--out", default="docs/images/tree-round.png", show_default=True)
 @click.argument("engine_args", nargs=-1, type=click.UNPROCESSED)
 def main(prompt, max_new_tokens, out, engine_args) -> None:
-    from kangaroo_core.cli import cli
-    from kangaroo_core.cli_options import _FIELDS, EngineOptions
+    from kangaroo_core.cli_options import EngineOptions
 
-    args = ["x", "--tree", "dynamic", "--max-new-tokens", str(max_new_tokens), *engine_args]
-    ctx = cli.commands["generate"].make_context("generate", args)
-    engine = EngineOptions(**{k: v for k, v in ctx.params.items() if k in _FIELDS}).engine()
+    engine = EngineOptions.from_args(["--tree", "dynamic", "--max-new-tokens", str(max_new_tokens),
+                                      *engine_args]).engine()
     rounds = []
     verify_tree = engine.verifier.verify_tree
 
