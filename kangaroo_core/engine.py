@@ -30,7 +30,7 @@ from kangaroo_core.config import ConfigError, DecodeConfig, SamplingConfig
 from kangaroo_core.errors import PromptError
 from kangaroo_core.interfaces import Backend, SelfDrafter, StoppingPolicy, TreeShaper, Verifier
 from kangaroo_core.plugins import get_registry
-from kangaroo_core.results import DraftStep, Emitted, GenerationResult, RoundResult, Verdict
+from kangaroo_core.results import DraftStep, Emitted, GenerationResult, RoundResult, Verdict, cut_at_eos
 from kangaroo_core.sampling import draw, make_generator, target_probs
 from kangaroo_core.tree_round import tree_round
 
@@ -283,8 +283,6 @@ class Engine:
             if self.tree is not None and max_drafts > 0:  # a token tree instead of a chain (kangaroo_core.tree_round)
                 done = tree_round(self, tokens, unseen, min(self.tree.depth, budget - 1), budget)
                 emitted, m, drafted, unseen = done.emitted, done.accepted, done.drafted, done.unseen
-                if drafter.wants_deep_states:
-                    drafter.observe_deep(n, done.accepted_deep)
                 timings = (done.draft_seconds, done.verify_seconds)
             else:
                 emitted, m, drafted, unseen, timings = self._chain_round(tokens, unseen, max_drafts, budget, generator)
@@ -330,12 +328,7 @@ class Engine:
         m = self._chain_length(verdict, len(drafts))
 
         # 4. accept: d_1..d_m + the target's token, cut at EOS and at the token budget.
-        emitted = [d.token for d in drafts[:m]] + [verdict.next_token]
-        for i, token in enumerate(emitted):
-            if token in eos:
-                emitted = emitted[: i + 1]
-                break
-        emitted = emitted[:budget]
+        emitted = cut_at_eos([d.token for d in drafts[:m]] + [verdict.next_token], eos, budget)
 
         # 5. roll back every cache to x_n, d_1..d_m (the next round starts with the target's token).
         accepted_len = n + 1 + m

@@ -61,6 +61,16 @@ class Verdict:
         return len(self.path)
 
 
+def cut_at_eos(tokens, eos: frozenset[int], limit: int) -> list[int]:
+    """``tokens`` up to and including the first EOS, and at most ``limit`` of them."""
+    out: list[int] = []
+    for token in list(tokens)[:limit]:
+        out.append(int(token))
+        if token in eos:
+            break
+    return out
+
+
 class Emitted(list):
     """The token ids one step of :meth:`~kangaroo_core.engine.Engine.decode` appends (a plain ``list`` otherwise).
 

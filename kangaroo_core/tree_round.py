@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from kangaroo_core.results import cut_at_eos
 from kangaroo_core.tree import DraftTree, TreeAttention, VerifyTree
 
 
@@ -32,7 +33,6 @@ class TreeRound:
     accepted: int
     drafted: int  # nodes verified (the root not counted)
     unseen: torch.Tensor  # layer-l states of accepted positions the drafter has not consumed
-    accepted_deep: torch.Tensor  # the target's deep states of x_n and the accepted nodes, [1 + accepted, d]
     draft_seconds: float
     verify_seconds: float
 
@@ -112,19 +112,15 @@ def tree_round(engine, tokens: list[int], unseen: torch.Tensor, max_depth: int, 
     _check_path(view, path)
 
     # 5. accept the path + the target's token (cut at EOS and at the token budget); keep exactly the path
-    emitted = [view.tokens[r] for r in path] + [verdict.next_token]
-    for i, token in enumerate(emitted):
-        if token in eos:
-            emitted = emitted[: i + 1]
-            break
-    emitted = emitted[:token_budget]
+    emitted = cut_at_eos([view.tokens[r] for r in path] + [verdict.next_token], eos, token_budget)
     backend.keep([*range(n + 1), *(n + r for r in path)])
     nodes = [order[r - 1] for r in path]
     drafter.keep([*range(n + 1), *(slot[v] for v in nodes if v in expanded)])
     last = nodes[-1] if nodes else 0
     unseen = states[last][None] if last not in expanded else h_root[:0]
-    accepted_deep = verified.hidden[[0, *path]]
-    return TreeRound(emitted, len(path), len(order), unseen, accepted_deep, t1 - t0, time.perf_counter() - t1)
+    if drafter.wants_deep_states:  # x_n and the accepted nodes, as the chain round hands them over
+        drafter.observe_deep(n, verified.hidden[[0, *path]])
+    return TreeRound(emitted, len(path), len(order), unseen, t1 - t0, time.perf_counter() - t1)
 
 
 def _grow(tree: DraftTree, shaper, node: int, logits: torch.Tensor) -> list[int]:

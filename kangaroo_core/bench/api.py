@@ -110,9 +110,6 @@ class BenchContext:
 
 def trim(tokens: Sequence[int], eos: frozenset[int], max_new_tokens: int) -> list[int]:
     """Cut a token list after the first EOS and at ``max_new_tokens``."""
-    out: list[int] = []
-    for token in tokens[:max_new_tokens]:
-        out.append(int(token))
-        if token in eos:
-            break
-    return out
+    from kangaroo_core.results import cut_at_eos
+
+    return cut_at_eos(tokens, eos, max_new_tokens)
