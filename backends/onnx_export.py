@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kangaroo_backends.families import SLIDING, family_of, layer_kinds, rotary_embeddings, sliding_window
 from kangaroo_core.errors import MissingDependencyError, OnnxExportError
 
 MANIFEST = "manifest.json"
@@ -74,21 +75,27 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 class Attention(nn.Module):
-    """A LlamaAttention with explicit KV in/out ([1, seq, kvh, hd]) and a causal mask built from position ids."""
+    """A decoder attention (any family: the module's own projections, ``q_norm``/``k_norm`` where it has them, its
+    ``scaling``) with explicit KV in/out ([1, seq, kvh, hd]) and a causal mask built from position ids — windowed
+    for a sliding layer (a query at position p sees keys at positions > p - ``window``)."""
 
-    def __init__(self, attn: nn.Module, config):
+    def __init__(self, attn: nn.Module, config, window: int | None = None):
         super().__init__()
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)  # Qwen3, Gemma 3
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = float(getattr(attn, "scaling", self.head_dim ** -0.5))
+        self.window = window
 
     def forward(self, x, cos, sin, position_ids, past_key, past_value):
         b, n, _ = x.shape
         q = self.q_proj(x).view(b, n, self.heads, self.head_dim).transpose(1, 2)  # [1, H, n, hd]
         k_new = self.k_proj(x).view(b, n, self.kv_heads, self.head_dim)  # [1, n, kvh, hd]
         v_new = self.v_proj(x).view(b, n, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:  # per-head RMSNorm before RoPE
+            q, k_new = self.q_norm(q), self.k_norm(k_new)
         q = _rope(q, cos[:, None], sin[:, None])
         k_new = _rope(k_new, cos[:, :, None], sin[:, :, None])
         k = torch.cat([past_key, k_new], dim=1).transpose(1, 2)  # [1, kvh, T, hd]
@@ -99,8 +106,11 @@ class Attention(nn.Module):
             k = k[:, :, None].expand(b, self.kv_heads, rep, t, self.head_dim).reshape(b, self.heads, t, self.head_dim)
             v = v[:, :, None].expand(b, self.kv_heads, rep, t, self.head_dim).reshape(b, self.heads, t, self.head_dim)
         scores = torch.matmul(q, k.transpose(2, 3)) * self.scaling  # [1, H, n, T]
-        key_pos = torch.arange(k.shape[2], device=x.device)
-        blocked = key_pos[None, None, None, :] > position_ids[:, None, :, None]
+        key_pos = torch.arange(k.shape[2], device=x.device)[None, None, None, :]
+        query_pos = position_ids[:, None, :, None]
+        blocked = key_pos > query_pos
+        if self.window is not None:
+            blocked = blocked | (key_pos <= query_pos - self.window)
         scores = scores.masked_fill(blocked, torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1)
         out = torch.matmul(probs, v).transpose(1, 2).reshape(b, n, self.heads * self.head_dim)
@@ -120,31 +130,49 @@ class Rotary(nn.Module):
 
 
 class _Layers(nn.Module):
-    """Decoder layers with explicit KV; returns hidden states and the new keys/values of each layer."""
+    """Decoder layers ``first..last-1`` with explicit KV; returns hidden states and the new keys/values of each layer.
+    The family decides the norms around the blocks (Gemma 3's sandwich norms) and each layer's RoPE and window."""
 
-    def __init__(self, layers, rotary_emb, config):
+    def __init__(self, model, first: int, last: int):
         super().__init__()
-        self.rotary = Rotary(rotary_emb)
+        config = model.config
+        family = family_of(config)
+        layers = model.model.layers[first:last]
+        self.kinds = list(layer_kinds(config)[first:last])
+        window = sliding_window(config)
+        rotary = rotary_embeddings(model)
+        self.rotaries = nn.ModuleDict({kind: Rotary(rotary[kind]) for kind in dict.fromkeys(self.kinds)})
         self.norms1 = nn.ModuleList([layer.input_layernorm for layer in layers])
-        self.attns = nn.ModuleList([Attention(layer.self_attn, config) for layer in layers])
-        self.norms2 = nn.ModuleList([layer.post_attention_layernorm for layer in layers])
+        self.attns = nn.ModuleList([Attention(layer.self_attn, config, window if kind == SLIDING else None)
+                                    for layer, kind in zip(layers, self.kinds)])
+        self.norms2 = nn.ModuleList([family.mlp_norm(layer) for layer in layers])
         self.mlps = nn.ModuleList([layer.mlp for layer in layers])
+        self.sandwich = family.sandwich_norms
+        if self.sandwich:
+            self.post_attn = nn.ModuleList([layer.post_attention_layernorm for layer in layers])
+            self.post_mlp = nn.ModuleList([layer.post_feedforward_layernorm for layer in layers])
 
     def run(self, hidden, position_ids, past):
-        cos, sin = self.rotary(position_ids)
+        rope = {kind: rotary(position_ids) for kind, rotary in self.rotaries.items()}
         new = []
         for i, attn in enumerate(self.attns):
+            cos, sin = rope[self.kinds[i]]
             attended, k, v = attn(self.norms1[i](hidden), cos, sin, position_ids, past[2 * i], past[2 * i + 1])
+            if self.sandwich:
+                attended = self.post_attn[i](attended)
             hidden = hidden + attended
-            hidden = hidden + self.mlps[i](self.norms2[i](hidden))
+            mixed = self.mlps[i](self.norms2[i](hidden))
+            if self.sandwich:
+                mixed = self.post_mlp[i](mixed)
+            hidden = hidden + mixed
             new += [k, v]
         return hidden, new
 
 
 class ShallowGraph(_Layers):
     def __init__(self, model, exit_layer: int):
-        super().__init__(model.model.layers[:exit_layer], model.model.rotary_emb, model.config)
-        self.embed = model.model.embed_tokens
+        super().__init__(model, 0, exit_layer)
+        self.embed = model.model.embed_tokens  # Gemma 3's multiplies by sqrt(hidden) itself
 
     def forward(self, input_ids, position_ids, *past):
         hidden, new = self.run(self.embed(input_ids), position_ids, past)
@@ -153,7 +181,7 @@ class ShallowGraph(_Layers):
 
 class DeepGraph(_Layers):
     def __init__(self, model, exit_layer: int):
-        super().__init__(model.model.layers[exit_layer:], model.model.rotary_emb, model.config)
+        super().__init__(model, exit_layer, model.config.num_hidden_layers)
         self.norm = model.model.norm
 
     def forward(self, hidden, position_ids, *past):
@@ -316,7 +344,7 @@ def export_onnx(model, out_dir: str | os.PathLike, *, exit_layer: int, fingerpri
                 tolerance: float = DEFAULT_TOLERANCE, overwrite: bool = False, quiet: bool = False,
                 weights: str = "float32", gguf_path: str | os.PathLike | None = None,
                 accuracy_level: int = 1) -> dict[str, Any]:
-    """Export the shallow / deep / head graphs of ``model`` (a transformers Llama) split at ``exit_layer`` into ``out_dir``.
+    """Export the shallow / deep / head graphs of ``model`` (a transformers decoder of a supported family) split at ``exit_layer`` into ``out_dir``.
 
     Every graph is validated against eager PyTorch before the export is declared good; the export is written to a
     temporary directory and renamed into place, so a failed or refused export leaves nothing behind.

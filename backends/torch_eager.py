@@ -1,7 +1,9 @@
-"""Eager PyTorch backend: a transformers Llama model split at the exit layer into M[:l], M[l:] and the shared head.
+"""Eager PyTorch backend: a transformers decoder (any family of :mod:`kangaroo_backends.families`) split at the exit
+layer into M[:l], M[l:] and the shared head.
 
 Both halves write into one KV cache (layer indices are global); ``shallow`` runs ahead of ``deep`` while drafting,
-``crop`` brings both back to the accepted length.
+``crop`` brings both back to the accepted length. Sliding-window layers keep every key in the cache and hide the old
+ones by their mask, so ``crop`` and ``keep`` stay exact for them too.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kangaroo_backends.families import FULL, SLIDING, family_of, layer_kinds, rotary_embeddings, sliding_window
 from kangaroo_backends.fast_layers import fast_layers
 from kangaroo_backends.kv_cache import KVCache, causal_mask
 from kangaroo_backends.loading import load_model
@@ -39,6 +42,7 @@ def model_fingerprint(model) -> str:
 def describe_split_model(backend: Backend, model, tokenizer, exit_layer: int, model_name: str) -> None:
     """Set the identity attributes every backend of a transformers model shares (and check the exit layer)."""
     config = model.config
+    backend.family = family_of(config)  # refuses an unsupported architecture in one line
     backend.num_layers = config.num_hidden_layers
     if not 1 <= exit_layer < backend.num_layers:
         raise ConfigError(f"exit_layer must be in [1, {backend.num_layers - 1}] for this {backend.num_layers}-layer model, got {exit_layer}")
@@ -97,8 +101,11 @@ class TorchBackend(Backend):
         self.device = next(model.parameters()).device
         self.kernels = kernels
         inner = model.model
-        self.embed_tokens = inner.embed_tokens
-        self.rotary_emb = inner.rotary_emb
+        self.embed_tokens = inner.embed_tokens  # Gemma 3's scales by sqrt(hidden) itself
+        self.rotary = rotary_embeddings(model)
+        self.window = sliding_window(config)
+        kinds = layer_kinds(config)
+        self.shallow_kinds, self.deep_kinds = kinds[:exit_layer], kinds[exit_layer:]
         layers, self.lm_head = inner.layers, model.lm_head
         if kernels != "plain":
             kernel = choose_kernel(kernels, self.dtype, self.device)
@@ -149,37 +156,42 @@ class TorchBackend(Backend):
         return self.cache.lengths[0], self.cache.lengths[self.exit_layer]
 
     # -- the split model -------------------------------------------------------------------------------------------
-    def _run_layers(self, layers, hidden: torch.Tensor, start: int, tree=None) -> torch.Tensor:
+    def _mask(self, n: int, start: int, tree, window: int | None):
+        if tree is None:
+            return causal_mask(n, start, self.dtype, self.device, window=window)
+        # token tree: each row sees the committed prefix and its own ancestors
+        return tree.additive_mask(start + n, self.dtype, self.device, window=window)
+
+    def _run_layers(self, layers, kinds, hidden: torch.Tensor, start: int, tree=None) -> torch.Tensor:
         n = hidden.shape[1]
         positions = torch.arange(start, start + n, device=self.device)  # cache slots
-        if tree is None:
-            position_ids = positions[None]
-            mask = causal_mask(n, start, self.dtype, self.device)
-        else:  # token tree: RoPE by depth, each row sees the committed prefix and its own ancestors
-            position_ids = tree.position_ids(self.device)[None]
-            mask = tree.additive_mask(start + n, self.dtype, self.device)
-        position_embeddings = self.rotary_emb(hidden, position_ids)
-        for layer in layers:
-            hidden = layer(
+        position_ids = positions[None] if tree is None else tree.position_ids(self.device)[None]  # tree: by depth
+        used = set(kinds)
+        masks = {kind: self._mask(n, start, tree, self.window if kind == SLIDING else None) for kind in used}
+        rope = {kind: self.rotary[kind](hidden, position_ids) for kind in (FULL, SLIDING)
+                if kind in used or self.family.local_rotary}
+        for layer, kind in zip(layers, kinds):
+            out = layer(
                 hidden,
-                attention_mask=mask,
+                attention_mask=masks[kind],
                 position_ids=position_ids,
                 past_key_values=self.cache,
                 cache_position=positions,
-                position_embeddings=position_embeddings,
+                **self.family.layer_rope_kwargs(rope.get(FULL), rope.get(SLIDING), kind),
             )
+            hidden = out[0] if isinstance(out, tuple) else out  # Gemma 3's layers return a tuple
         return hidden
 
     @torch.inference_mode()
     def shallow(self, token_ids: Sequence[int], start: int, tree=None) -> torch.Tensor:
         check_start("shallow", start, self.cache.lengths[0])
         ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=self.device)[None]  # [1, n]
-        return self._run_layers(self.shallow_layers, self.embed_tokens(ids), start, tree)[0]  # [n, d]
+        return self._run_layers(self.shallow_layers, self.shallow_kinds, self.embed_tokens(ids), start, tree)[0]  # [n, d]
 
     @torch.inference_mode()
     def deep(self, hidden: torch.Tensor, start: int, rows: Sequence[int] | None = None, tree=None) -> DeepOutput:
         check_start("deep", start, self.cache.lengths[self.exit_layer])
-        out = self.final_norm(self._run_layers(self.deep_layers, hidden[None], start, tree))[0]  # [n, d]
+        out = self.final_norm(self._run_layers(self.deep_layers, self.deep_kinds, hidden[None], start, tree))[0]  # [n, d]
         picked = out if rows is None else out[torch.as_tensor(list(rows), dtype=torch.long, device=out.device)]
         return DeepOutput(logits=self.lm_head(picked), hidden=out)  # logits [r, V]
 

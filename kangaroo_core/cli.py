@@ -14,6 +14,7 @@ from pathlib import Path
 import attrs
 import click
 
+from kangaroo_core.config import DEFAULT_EXIT_LAYER
 from kangaroo_core.cli_options import EngineOptions, check_out_dir, engine_options, model_options, parse_key_values
 from kangaroo_core.errors import KangarooError, UsageError
 
@@ -254,7 +255,7 @@ def bench(questions_file, out_dir, methods, limit_per_subtask, repeats, no_warmu
     specs += adapter_specs + policy_specs
     if baseline not in [s.label for s in specs]:
         raise UsageError(f"--baseline {baseline!r} is not one of the measured methods: {', '.join(s.label for s in specs)}")
-    backend_obj = opts.backend(config)
+    backend_obj, config = opts.settled(config)  # at the shipped adapter's layer unless --exit-layer says otherwise
     context = BenchContext(backend_obj, config, drafter=opts.drafter, policy=opts.policy, verifier=opts.verifier,
                            adapter=opts.adapter, policy_options=options, drafter_options=opts.parsed_drafter_options(),
                            tree_options=opts.parsed_tree_options())
@@ -336,6 +337,7 @@ def train_adapter_command(out_dir, model, exit_layer, threads, prompts_file, cor
         layers = tuple(int(x) for x in record_layers.split(",") if x.strip())
     except ValueError:
         raise click.BadParameter(f"--record-layers must be comma-separated integers, got {record_layers!r}") from None
+    exit_layer = exit_layer or DEFAULT_EXIT_LAYER
     config = TrainConfig(exit_layer=exit_layer, num_prompts=num_prompts, heldout_prompts=heldout_prompts,
                          max_new_tokens=max_new_tokens, generation_batch_size=generation_batch_size, top_k=top_k,
                          epochs=epochs, batch_size=batch_size, lr=lr, ffn=ffn, separate_head=separate_head,
@@ -390,9 +392,10 @@ def train_policy_command(out_dir, model, exit_layer, threads, adapter, prompts_f
     if num_prompts < 1 or steps < 1:
         raise UsageError("--num-prompts and --steps must be >= 1")
     check_out_dir(out_dir)
-    opts = EngineOptions(model=model, exit_layer=exit_layer, threads=threads, gamma=gamma, max_new_tokens=max_new_tokens)
-    backend = opts.backend()
-    drafter = _resolve("drafter", "kangaroo", opts.config(), {"adapter": adapter} if adapter else {})
+    opts = EngineOptions(model=model, exit_layer=exit_layer, threads=threads, gamma=gamma, max_new_tokens=max_new_tokens,
+                         adapter=adapter)
+    backend, config = opts.settled()  # the adapter's exit layer unless --exit-layer is given
+    drafter = _resolve("drafter", "kangaroo", config, {"adapter": adapter} if adapter else {})
     report = train_predictor(backend, drafter, prompts_file, out_dir, num_prompts=num_prompts, gamma=gamma,
                              max_new_tokens=max_new_tokens, steps=steps, lr=lr, seed=seed,
                              command_line=command_line(), log=_eprint)
@@ -424,7 +427,7 @@ def analyze_policies_command(questions_file, out_dir, policies, limit_per_subtas
     engine = attrs.evolve(opts, policy="fixed", policy_options=()).engine()
     result = run_analysis(engine, questions, specs, max_new_tokens=opts.max_new_tokens, progress=not no_progress)
     info = {"command": command_line(), "model": engine.backend.model_name,
-            "questions": str(questions_file), "max_new_tokens": opts.max_new_tokens, "exit_layer": opts.exit_layer,
+            "questions": str(questions_file), "max_new_tokens": opts.max_new_tokens, "exit_layer": engine.config.exit_layer,
             "adapter": opts.adapter, "drafter": opts.drafter, "backend": opts.backend_name,
             "torch_threads": torch.get_num_threads()}
     out.mkdir(parents=True, exist_ok=True)
@@ -460,7 +463,10 @@ def export_onnx_command(out, model, exit_layer, threads, adapter, opset, toleran
 
     import_onnxruntime()
     check_out_dir(out)
-    backend = EngineOptions(model=model, exit_layer=exit_layer, threads=threads).backend()  # torch: the weights to export
+    # torch: the weights to export, split at the adapter's exit layer unless --exit-layer is given
+    backend, config = EngineOptions(model=model, exit_layer=exit_layer, threads=threads,
+                                    adapter=None if adapter == "none" else adapter).settled()
+    exit_layer = config.exit_layer
     gguf_path = None
     if weights == "gguf":
         from kangaroo_backends.loading import gguf_source

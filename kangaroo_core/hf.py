@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from kangaroo_core.config import DecodeConfig, SamplingConfig
+from kangaroo_core.config import DEFAULT_EXIT_LAYER, DecodeConfig, SamplingConfig
 from kangaroo_core.errors import KangarooError
 
 #: Logits processors that are the sampling warpers Kangaroo applies itself (from generation_config's values).
@@ -61,7 +61,7 @@ def kangaroo_generate(
     *,
     kangaroo_streamer=None,
     kangaroo_adapter: str | None = None,
-    kangaroo_exit_layer: int = 2,
+    kangaroo_exit_layer: int | None = None,
     kangaroo_eta: float = 0.6,
     kangaroo_gamma: int = 6,
     kangaroo_policy: str = "threshold",
@@ -75,7 +75,8 @@ def kangaroo_generate(
             for callables).
         kangaroo_adapter: an adapter directory or shipped adapter name; None: the shipped adapter made for this
             model at this exit layer (an untrained one, still lossless, when none fits).
-        kangaroo_exit_layer / kangaroo_eta / kangaroo_gamma / kangaroo_policy / kangaroo_kernels: as the CLI's
+        kangaroo_exit_layer: None (default) for the layer of the shipped adapter made for this model, else 2.
+        kangaroo_eta / kangaroo_gamma / kangaroo_policy / kangaroo_kernels: as the CLI's
             ``--exit-layer --eta --gamma --policy --kernels``.
 
     Returns: ``[1, prompt + new]`` token ids, or a ``GenerateDecoderOnlyOutput`` with ``return_dict_in_generate``.
@@ -173,10 +174,15 @@ def _engine_for(model, adapter, exit_layer, eta, gamma, policy, kernels):
     key = (adapter, exit_layer, eta, gamma, policy, kernels, param.device, param.dtype)  # a moved model: a new view
     engines = model.__dict__.setdefault(ENGINES_ATTR, {})
     if key not in engines:
-        config = DecodeConfig(eta=eta, gamma=gamma, exit_layer=exit_layer)
-        backend = TorchBackend(model, None, exit_layer, model_name=getattr(model, "name_or_path", "model") or "model",
-                               kernels=kernels)
-        engines[key] = Engine.build(config=config, backend=backend, drafter="kangaroo", policy=policy, adapter=adapter)
+        name = getattr(model, "name_or_path", "model") or "model"
+        backend = TorchBackend(model, None, exit_layer or DEFAULT_EXIT_LAYER, model_name=name, kernels=kernels)
+        drafter = get_registry().resolve("drafter", "kangaroo")(adapter=adapter)
+        if exit_layer is None:  # the layer the (shipped) adapter was trained at
+            preferred = drafter.preferred_exit_layer(backend.fingerprint)
+            if preferred is not None and preferred != backend.exit_layer:
+                backend = backend.resplit(preferred)
+        config = DecodeConfig(eta=eta, gamma=gamma, exit_layer=backend.exit_layer)
+        engines[key] = Engine.build(config=config, backend=backend, drafter=drafter, policy=policy)
     return engines[key]
 
 

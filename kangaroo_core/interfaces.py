@@ -217,6 +217,12 @@ class SelfDrafter(abc.ABC):
     def bind(self, backend: Backend) -> None:
         """Attach to a loaded backend (load or initialise weights that depend on the base model)."""
 
+    def preferred_exit_layer(self, fingerprint: str) -> int | None:
+        """The exit layer this drafter's weights were made for on the base model with this fingerprint (e.g. the
+        Kangaroo drafter's trained adapter), or None for no preference (the default). Asked once, before
+        :meth:`bind`, and only when the user chose no exit layer: the backend is then split there."""
+        return None
+
     @property
     @abc.abstractmethod
     def seen(self) -> int:

@@ -36,6 +36,7 @@ __all__ = [
     "TinyTokenizer",
     "tiny_target",
     "tiny_llama",
+    "tiny_model",
     "tiny_backend",
     "set_eos",
     "hf_greedy",
@@ -166,6 +167,59 @@ def tiny_llama(
             for module in model.modules():
                 if hasattr(module, "variance_epsilon"):
                     module.weight.uniform_(0.5, 1.5)
+    set_eos(model, eos_token_id)
+    return model
+
+
+#: the families :func:`tiny_model` builds (every family of :mod:`kangaroo_backends.families`)
+TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+
+
+def tiny_model(family: str, seed: int = 0, *, vocab: int = 64, hidden: int = 32, layers: int = 4, heads: int = 4,
+               kv_heads: int = 2, window: int = 6, dtype: Any = None, eos_token_id: int | None = None,
+               init_std: float = 0.2) -> Any:
+    """A random float64 model of one decoder family, small enough for unit tests, with the family's quirks switched
+    on: Mistral slides every layer and Qwen2 its upper layers within ``window`` positions, Qwen3 has q/k norms,
+    Gemma 3 alternates sliding and full layers (two RoPE bases), sandwich norms and scaled embeddings. ``window``
+    is shorter than the test sequences, so the windows are exercised."""
+    import torch
+    import transformers
+
+    if family == "llama":
+        return tiny_llama(seed, vocab=vocab, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+                          dtype=dtype, eos_token_id=eos_token_id, init_std=init_std)
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+                  initializer_range=init_std, tie_word_embeddings=bool(seed % 2), bos_token_id=None,
+                  eos_token_id=eos_token_id, pad_token_id=None, attn_implementation="sdpa")
+    if family == "mistral":
+        config = transformers.MistralConfig(**common, sliding_window=window, rope_theta=10000.0)
+        cls = transformers.MistralForCausalLM
+    elif family == "qwen2":
+        config = transformers.Qwen2Config(**common, use_sliding_window=True, sliding_window=window,
+                                          max_window_layers=layers // 2, rope_theta=10000.0)
+        cls = transformers.Qwen2ForCausalLM
+    elif family == "qwen3":
+        config = transformers.Qwen3Config(**common, head_dim=hidden // heads, rope_theta=10000.0)
+        cls = transformers.Qwen3ForCausalLM
+    elif family == "gemma3":
+        config = transformers.Gemma3TextConfig(**common, head_dim=hidden // heads, sliding_window=window,
+                                               layer_types=["sliding_attention" if (i + 1) % 3 else "full_attention"
+                                                            for i in range(layers)],
+                                               query_pre_attn_scalar=hidden // heads * 2, rope_theta=1e6,
+                                               rope_local_base_freq=10000.0, final_logit_softcapping=None,
+                                               attn_logit_softcapping=None)
+        cls = transformers.Gemma3ForCausalLM
+    else:
+        raise ValueError(f"unknown family {family!r}; known: {', '.join(TINY_FAMILIES)}")
+    torch.manual_seed(seed)
+    model = cls(config).to(torch.float64 if dtype is None else dtype).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:  # Gemma's norms scale by 1 + w: small w; the others by w: around 1
+                param.uniform_(-0.3, 0.3) if family == "gemma3" else param.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                param.normal_(0, init_std)
     set_eos(model, eos_token_id)
     return model
 

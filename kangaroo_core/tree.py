@@ -37,18 +37,21 @@ class TreeAttention:
     visible: tuple[tuple[int, ...], ...] = attrs.field(converter=lambda rows: tuple(tuple(r) for r in rows))
     positions: tuple[int, ...] = attrs.field(converter=tuple)
 
-    def allowed(self, total: int, device=None) -> torch.Tensor:
-        """[m, total] bool: row i may read slot j."""
+    def allowed(self, total: int, device=None, window: int | None = None) -> torch.Tensor:
+        """[m, total] bool: row i may read slot j. ``window`` (sliding-window layers): row i, at position p_i, does
+        not read committed slots at positions <= p_i - window (its ancestors are always nearer than that)."""
         allowed = torch.zeros(len(self.visible), total, dtype=torch.bool, device=device)
         allowed[:, : self.committed] = True
         for i, slots in enumerate(self.visible):
             if slots:
                 allowed[i, list(slots)] = True
+            if window is not None and self.positions[i] - window >= 0:
+                allowed[i, : min(self.committed, self.positions[i] - window + 1)] = False
         return allowed
 
-    def additive_mask(self, total: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+    def additive_mask(self, total: int, dtype: torch.dtype, device=None, window: int | None = None) -> torch.Tensor:
         """[1, 1, m, total]: 0 where allowed, the dtype's minimum elsewhere (transformers' mask convention)."""
-        allowed = self.allowed(total, device)
+        allowed = self.allowed(total, device, window)
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
         return mask[None, None]
 

@@ -56,8 +56,12 @@ class HFGenerate(BenchMethod):
         self.seed = sampling.seed
         self.kwargs.update(self.generate_kwargs(context))
         # full-depth passes are counted on the last decoder layer (an ONNX model has none: CR is not reported)
-        base = getattr(model, getattr(model, "base_model_prefix", ""), None)
-        self.last_layer = base.layers[-1] if isinstance(base, torch.nn.Module) else None
+        try:
+            base = model.get_decoder()  # every family (Gemma 3's base_model_prefix is empty)
+        except (AttributeError, NotImplementedError):
+            base = None
+        layers = getattr(base, "layers", None) if isinstance(base, torch.nn.Module) else None
+        self.last_layer = layers[-1] if layers is not None and len(layers) else None
 
     @torch.inference_mode()
     def run(self, messages: Messages, max_new_tokens: int) -> MethodResult:

@@ -68,10 +68,8 @@ def _parse_prompt(item: dict, number: int) -> Prompt:
 
 
 def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
-    """Token ids of a prompt as the engine encodes a chat: the template with the generation prompt, when the
-    tokenizer has one; the plain text otherwise."""
-    messages = [{"role": role, "content": text} for role, text in prompt.messages]
-    if tokenizer.chat_template:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-    return tokenizer.encode(messages[-1]["content"])
+    """Token ids of a prompt exactly as the engine encodes a chat (:func:`kangaroo_core.engine.encode_prompt`: the
+    template with the generation prompt, or the plain Question/Answer form for a model without one)."""
+    from kangaroo_core.engine import encode_prompt as engine_encode
+
+    return engine_encode(tokenizer, [{"role": role, "content": text} for role, text in prompt.messages])

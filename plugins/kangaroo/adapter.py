@@ -1,5 +1,8 @@
 """The Kangaroo adapter: RMSNorm → one multi-head attention (base model's head geometry, RoPE) → residual → RMSNorm.
 
+Its blocks are the base model's own family classes (:mod:`kangaroo_backends.families`: Llama's, Gemma 3's with its
+q/k norms and ``1 + w`` RMSNorm, ...), built like the exit layer (its RoPE), attending over the whole context.
+
 Its output goes through the target's shared LM head. Files: ``adapter.safetensors`` (weights) and ``adapter.json``
 (metadata: format version, base model fingerprint, exit layer, architecture). Loading an adapter made for another
 model, exit layer or architecture raises :class:`~kangaroo_core.errors.AdapterMismatchError`.
@@ -7,7 +10,6 @@ model, exit layer or architecture raises :class:`~kangaroo_core.errors.AdapterMi
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import os
@@ -17,8 +19,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
+from kangaroo_backends.families import adapter_config, family_of
 from kangaroo_backends.kv_cache import KVCache, causal_mask
 from kangaroo_core import __version__
 from kangaroo_core.errors import AdapterMismatchError
@@ -33,10 +35,14 @@ DRAFT_VOCAB_TENSOR = "draft_vocab"
 
 def adapter_architecture(model_config, *, kind: str = "attention", ffn: bool = False, separate_head: bool = False,
                          draft_head: bool = False, draft_vocab_size: int | None = None) -> dict:
+    """What an adapter file records of its network (``model_config``: the adapter's own, :func:`adapter_config`)."""
     head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
     extra = {} if draft_vocab_size is None else {"draft_vocab_size": int(draft_vocab_size)}
     if draft_head:  # only written when set, so adapters made before the option still load
         extra["draft_head"] = True
+    family = family_of(model_config).name
+    if family != "llama":  # likewise: Llama adapters made before families existed still load
+        extra["family"] = family
     return {
         "type": kind,
         "hidden_size": model_config.hidden_size,
@@ -96,24 +102,28 @@ class KangarooAdapter(nn.Module):
     #: whether the drafter must hand it the target's deep states (:mod:`kangaroo_plugins.kangaroo.deep_context`)
     reads_deep_states = False
 
-    def __init__(self, model_config, *, ffn: bool = False, separate_head: bool = False, draft_head: bool = False):
+    def __init__(self, model_config, *, ffn: bool = False, separate_head: bool = False, draft_head: bool = False,
+                 exit_layer: int | None = None):
         super().__init__()
         if separate_head and draft_head:
             raise ValueError("an adapter has either its own full head (separate_head) or a draft-vocabulary head, not both")
         self.ffn, self.separate_head, self.draft_head = ffn, separate_head, draft_head
         self.draft_rows: nn.Parameter | None = None  # the trainable draft head [K, d] (draft_head only)
         self.draft_vocab: torch.Tensor | None = None  # token ids the drafter may propose (None: all)
-        config = copy.deepcopy(model_config)
-        config.num_hidden_layers = 1
+        family = family_of(model_config)
+        config = adapter_config(model_config, exit_layer)  # one layer like layer l (its RoPE), no window
         config._attn_implementation = model_config._attn_implementation or "sdpa"
+        if config._attn_implementation not in ("sdpa", "eager"):
+            config._attn_implementation = "sdpa"
         self.config = config
-        self.input_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.attention = LlamaAttention(config, layer_idx=0)
-        self.output_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = LlamaRotaryEmbedding(config)
+        norm = family.module_class("RMSNorm")
+        self.input_norm = norm(config.hidden_size, eps=config.rms_norm_eps)
+        self.attention = family.module_class("Attention")(config, layer_idx=0)
+        self.output_norm = norm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = family.module_class("RotaryEmbedding")(config)
         if ffn:
-            self.mlp_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-            self.mlp = LlamaMLP(config)
+            self.mlp_norm = norm(config.hidden_size, eps=config.rms_norm_eps)
+            self.mlp = family.module_class("MLP")(config)
         if separate_head:
             self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -121,14 +131,14 @@ class KangarooAdapter(nn.Module):
     def from_base_layer(cls, model, exit_layer: int, *, ffn: bool = False, separate_head: bool = False,
                         draft_head: bool = False) -> "KangarooAdapter":
         """A sensible untrained adapter: the attention (and MLP) and norms of layer l, the model's final norm."""
-        adapter = cls(model.config, ffn=ffn, separate_head=separate_head, draft_head=draft_head)
+        adapter = cls(model.config, ffn=ffn, separate_head=separate_head, draft_head=draft_head, exit_layer=exit_layer)
         layer = model.model.layers[exit_layer]
         adapter.attention.load_state_dict(layer.self_attn.state_dict())
         adapter.input_norm.load_state_dict(layer.input_layernorm.state_dict())
         adapter.output_norm.load_state_dict(model.model.norm.state_dict())
         if ffn:
             adapter.mlp.load_state_dict(layer.mlp.state_dict())
-            adapter.mlp_norm.load_state_dict(layer.post_attention_layernorm.state_dict())
+            adapter.mlp_norm.load_state_dict(family_of(model.config).mlp_norm(layer).state_dict())
         if separate_head:
             adapter.head.weight.data.copy_(model.lm_head.weight.data)
         return adapter.to(next(model.parameters()).dtype)
@@ -279,12 +289,12 @@ class KangarooAdapter(nn.Module):
         variant = {"ffn": bool(arch.get("ffn")), "separate_head": bool(arch.get("separate_head")),
                    "draft_head": bool(arch.get("draft_head"))}
         network = adapter_class(str(arch.get("type", "attention")))
-        expected = adapter_architecture(model.config, kind=network.kind, **variant,
+        expected = adapter_architecture(adapter_config(model.config, exit_layer), kind=network.kind, **variant,
                                         draft_vocab_size=arch.get("draft_vocab_size"))
         if arch != expected:
             raise AdapterMismatchError(f"adapter {directory} architecture {arch} does not fit this model ({expected})")
         try:
-            adapter = network(model.config, **variant).to(next(model.parameters()).dtype)
+            adapter = network(model.config, **variant, exit_layer=exit_layer).to(next(model.parameters()).dtype)
         except ValueError as exc:
             raise AdapterMismatchError(f"adapter {directory}: {exc}") from None
         try:

@@ -41,8 +41,10 @@ class DeepContextAdapter(KangarooAdapter):
     kind = "deep-context"
     reads_deep_states = True
 
-    def __init__(self, model_config, *, ffn: bool = False, separate_head: bool = False, draft_head: bool = False):
-        super().__init__(model_config, ffn=ffn, separate_head=separate_head, draft_head=draft_head)
+    def __init__(self, model_config, *, ffn: bool = False, separate_head: bool = False, draft_head: bool = False,
+                 exit_layer: int | None = None):
+        super().__init__(model_config, ffn=ffn, separate_head=separate_head, draft_head=draft_head,
+                         exit_layer=exit_layer)
         d = self.config.hidden_size
         self.kv_fuse = nn.Linear(d, d, bias=False)
         self.query_fuse = nn.Linear(d, d, bias=False)
@@ -53,7 +55,9 @@ class DeepContextAdapter(KangarooAdapter):
         attn = self.attention
         self.heads, self.kv_heads = self.config.num_attention_heads, self.config.num_key_value_heads
         self.head_dim = attn.head_dim
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = float(attn.scaling)  # Gemma 3: query_pre_attn_scalar ** -0.5
+        # Qwen3 / Gemma 3 normalise every head's queries and keys before RoPE (the attention module's own norms)
+        self.qk_norm = getattr(attn, "q_norm", None) is not None
 
     # -- the pieces (shared by training, the torch runner and the ONNX graph) --------------------------------------
     def keys_values(self, y: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,6 +66,8 @@ class DeepContextAdapter(KangarooAdapter):
         x = self.input_norm(y)
         k = self.attention.k_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.attention.v_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        if self.qk_norm:
+            k = self.attention.k_norm(k)
         cos, sin = self.rope(positions[None])
         return _rope(k, cos[:, None], sin[:, None]), v
 
@@ -77,6 +83,8 @@ class DeepContextAdapter(KangarooAdapter):
         """Query inputs x_q [B, n, d] at ``positions`` [n] → queries [B, H, n, hd] (RoPE applied)."""
         b, n, _ = x_q.shape
         q = self.attention.q_proj(self.input_norm(x_q)).view(b, n, self.heads, self.head_dim).transpose(1, 2)
+        if self.qk_norm:
+            q = self.attention.q_norm(q)
         cos, sin = self.rope(positions[None])
         return _rope(q, cos[:, None], sin[:, None])
 
@@ -147,6 +155,6 @@ class DeepContextAdapter(KangarooAdapter):
             # one fused attention kernel over both key sets (PyTorch's SDPA: far less memory traffic than masked
             # matmuls on the long prompts training sees)
             attended = torch.nn.functional.scaled_dot_product_attention(self.queries(x_q, queries), keys, values,
-                                                                        attn_mask=allowed)
+                                                                        attn_mask=allowed, scale=self.scaling)
             outputs.append(torch.cat([hidden.new_zeros(b, lo, d), self.finish(x_q, attended)], dim=1))
         return outputs

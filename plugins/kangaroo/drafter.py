@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,6 +30,26 @@ def shipped_adapter_for(fingerprint: str, exit_layer: int) -> Path | None:
         if meta.get("base_model_fingerprint") == fingerprint and meta.get("exit_layer") == exit_layer:
             fitting.append((not meta.get("default", False), meta_path.parent))
     return min(fitting)[1] if fitting else None
+
+
+def shipped_default_adapter(fingerprint: str) -> Path | None:
+    """The shipped adapter for this base model at any exit layer: the one marked ``"default": true``, else the
+    first by name."""
+    fitting = []
+    for meta_path in sorted(SHIPPED_ADAPTERS.glob(f"*/{METADATA_FILE}")):
+        meta = json.loads(meta_path.read_text())
+        if meta.get("base_model_fingerprint") == fingerprint:
+            fitting.append((not meta.get("default", False), meta_path.parent))
+    return min(fitting)[1] if fitting else None
+
+
+def adapter_exit_layer(directory: str | Path) -> int | None:
+    """The exit layer an adapter directory was trained at (None when it has no readable ``adapter.json``)."""
+    try:
+        layer = json.loads((Path(directory) / METADATA_FILE).read_text()).get("exit_layer")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return layer if isinstance(layer, int) else None
 
 
 def shipped_adapter_named(name: str) -> Path | None:
@@ -65,7 +86,24 @@ class KangarooDrafter(SelfDrafter):
             shipped = shipped_adapter_named(self.adapter_path) if not Path(self.adapter_path).exists() else None
             return str(shipped) if shipped else self.adapter_path
         shipped = shipped_adapter_for(backend.fingerprint, backend.exit_layer)
+        if shipped is None and (elsewhere := shipped_default_adapter(backend.fingerprint)) is not None:
+            warnings.warn(f"kangaroo: the adapter shipped for this model ({elsewhere.name}) was trained at exit layer "
+                          f"{adapter_exit_layer(elsewhere)}, not {backend.exit_layer}: drafting with an untrained "
+                          f"adapter (lossless, slow); split at exit layer {adapter_exit_layer(elsewhere)} to use it",
+                          stacklevel=2)
         return str(shipped) if shipped else None
+
+    def preferred_exit_layer(self, fingerprint: str) -> int | None:
+        """The exit layer of the adapter it will load: the given one's, else the default shipped one's for this
+        base model (so ``--model gemma3-270m`` runs at the layer its shipped adapter was trained at)."""
+        if self.adapter_path == UNTRAINED:
+            return None
+        if self.adapter_path is not None:
+            path = Path(self.adapter_path)
+            shipped = shipped_adapter_named(self.adapter_path) if not path.exists() else None
+            return adapter_exit_layer(shipped or path)
+        shipped = shipped_default_adapter(fingerprint)
+        return adapter_exit_layer(shipped) if shipped else None
 
     def bind(self, backend: Backend) -> None:
         model = backend.base_model()

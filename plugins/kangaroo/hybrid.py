@@ -116,6 +116,9 @@ class HybridDrafter(SelfDrafter):
         sampled = config.sampling.sample_drafts and not config.sampling.greedy
         return cls(**{"measure": not sampled, **options})
 
+    def preferred_exit_layer(self, fingerprint: str) -> int | None:
+        return self.adapter.preferred_exit_layer(fingerprint)
+
     def bind(self, backend: Backend) -> None:
         self.adapter.bind(backend)
         self.resolved_adapter = self.adapter.resolved_adapter
