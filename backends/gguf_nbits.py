@@ -140,7 +140,7 @@ def read_linear_weights(gguf_path: str | Path, config) -> dict[str, NBitsWeight]
     tensors = {t.name: t for t in reader.tensors}
     for tname, tensor in tensors.items():
         parts = tname.split(".")
-        if parts[0] == "blk" and parts[2] in LLAMA_NAMES:
+        if parts[0] == "blk" and parts[2] in LLAMA_NAMES and parts[-1] == "weight":  # Qwen2's biases stay float
             hf = f"model.layers.{parts[1]}.{LLAMA_NAMES[parts[2]]}.weight"
         elif tname == "output.weight" or (tname == "token_embd.weight" and "output.weight" not in tensors):
             hf = "lm_head.weight"

@@ -17,6 +17,7 @@ onnxruntime is imported lazily: the rest of kangaroo works without it, and this 
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -272,10 +273,17 @@ class OnnxBackend(Backend):
                 "does not reproduce one-token passes; use --onnx-accuracy-level 1 (float32 activations) to draft")
 
     def resplit(self, exit_layer: int) -> "OnnxBackend":
-        if self.bundle is not None:
-            raise ConfigError(f"the onnx export {self.bundle} is split at exit layer {self.exit_layer}; it cannot be "
-                              f"re-split at {exit_layer}")
         provider = {name: key for key, name in PROVIDERS.items()}[self.provider]
+        if self.bundle is not None:
+            try:
+                exported = json.loads((Path(self.bundle) / MANIFEST).read_text()).get("exit_layer")
+            except (OSError, ValueError, AttributeError):
+                exported = None
+            if exported != exit_layer:
+                raise ConfigError(f"the onnx export {self.bundle} is split at exit layer {exported}; it cannot be "
+                                  f"re-split at {exit_layer}")
+            return type(self)(self.model, self.tokenizer, exit_layer, self.model_name, provider=provider,
+                              bundle=self.bundle, threads=self.threads, quiet=self.quiet)
         return type(self)(self.model, self.tokenizer, exit_layer, self.model_name, provider=provider,
                           threads=self.threads, quiet=self.quiet, weights=self.weights,
                           accuracy_level=self.accuracy_level if self.weights == "gguf" else None,

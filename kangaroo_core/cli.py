@@ -337,7 +337,7 @@ def train_adapter_command(out_dir, model, exit_layer, threads, prompts_file, cor
         layers = tuple(int(x) for x in record_layers.split(",") if x.strip())
     except ValueError:
         raise click.BadParameter(f"--record-layers must be comma-separated integers, got {record_layers!r}") from None
-    exit_layer = exit_layer or DEFAULT_EXIT_LAYER
+    exit_layer = DEFAULT_EXIT_LAYER if exit_layer is None else exit_layer
     config = TrainConfig(exit_layer=exit_layer, num_prompts=num_prompts, heldout_prompts=heldout_prompts,
                          max_new_tokens=max_new_tokens, generation_batch_size=generation_batch_size, top_k=top_k,
                          epochs=epochs, batch_size=batch_size, lr=lr, ffn=ffn, separate_head=separate_head,

@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 import click
 
-from kangaroo_core.config import DEFAULT_EXIT_LAYER, DecodeConfig, SamplingConfig
+from kangaroo_core.config import DEFAULT_EXIT_LAYER, ConfigError, DecodeConfig, SamplingConfig
 from kangaroo_core.errors import KangarooError, UsageError
 
 
@@ -96,7 +96,7 @@ class EngineOptions:
     def config(self, **changes: Any) -> DecodeConfig:
         sampling = SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
                                   sample_drafts=self.draft_sampling)
-        return DecodeConfig(eta=self.eta, gamma=self.gamma, exit_layer=self.exit_layer or DEFAULT_EXIT_LAYER,
+        return DecodeConfig(eta=self.eta, gamma=self.gamma, exit_layer=DEFAULT_EXIT_LAYER if self.exit_layer is None else self.exit_layer,
                             max_new_tokens=self.max_new_tokens, sampling=sampling).replace(**changes)
 
     def settle_exit_layer(self, backend, drafter=None):
@@ -107,7 +107,11 @@ class EngineOptions:
         layer = drafter.preferred_exit_layer(backend.fingerprint)
         if layer is None or layer == backend.exit_layer:
             return backend, backend.exit_layer
-        return backend.resplit(layer), layer
+        try:
+            return backend.resplit(layer), layer
+        except NotImplementedError:
+            raise ConfigError(f"the drafter's adapter was trained at exit layer {layer} and the '{backend.name}' "
+                              f"backend cannot re-split: pass --exit-layer {layer}") from None
 
     def parsed_policy_options(self) -> dict:
         return parse_key_values(self.policy_options, "--policy-option")

@@ -175,7 +175,7 @@ def _engine_for(model, adapter, exit_layer, eta, gamma, policy, kernels):
     engines = model.__dict__.setdefault(ENGINES_ATTR, {})
     if key not in engines:
         name = getattr(model, "name_or_path", "model") or "model"
-        backend = TorchBackend(model, None, exit_layer or DEFAULT_EXIT_LAYER, model_name=name, kernels=kernels)
+        backend = TorchBackend(model, None, DEFAULT_EXIT_LAYER if exit_layer is None else exit_layer, model_name=name, kernels=kernels)
         drafter = get_registry().resolve("drafter", "kangaroo")(adapter=adapter)
         if exit_layer is None:  # the layer the (shipped) adapter was trained at
             preferred = drafter.preferred_exit_layer(backend.fingerprint)

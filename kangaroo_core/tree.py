@@ -40,6 +40,9 @@ class TreeAttention:
     def allowed(self, total: int, device=None, window: int | None = None) -> torch.Tensor:
         """[m, total] bool: row i may read slot j. ``window`` (sliding-window layers): row i, at position p_i, does
         not read committed slots at positions <= p_i - window (its ancestors are always nearer than that)."""
+        if window is not None and self.positions and max(self.positions) - self.committed >= window:
+            raise ValueError(f"a token tree {max(self.positions) - self.committed + 1} deep does not fit a "
+                             f"{window}-position sliding window")
         allowed = torch.zeros(len(self.visible), total, dtype=torch.bool, device=device)
         allowed[:, : self.committed] = True
         for i, slots in enumerate(self.visible):

@@ -297,3 +297,34 @@ def test_exit_layer_costs_tool_splits_at_each_adapter_s_layer(tmp_path, one_torc
     rows = json.loads(out.read_text())["rows"]
     assert [r["exit_layer"] for r in rows] == [1, 3]
     assert all(r["forward_ms"] > 0 and r["draft_step_ms"] > 0 for r in rows)
+
+
+def test_a_tree_deeper_than_the_window_is_refused():
+    from kangaroo_core.tree import TreeAttention
+
+    tree = TreeAttention(committed=10, visible=[[10], [10, 11]], positions=[10, 11])
+    assert tree.allowed(12, window=6).shape == (2, 12)
+    deep = TreeAttention(committed=10, visible=[[10 + i for i in range(7)]], positions=[16])
+    with pytest.raises(ValueError, match="does not fit a 6-position sliding window"):
+        deep.allowed(17, window=6)
+
+
+def test_an_adapter_for_another_model_has_no_preferred_layer(tmp_path):
+    path = save_adapter(tmp_path, model("qwen3"), "attention", exit_layer=3)
+    assert KangarooDrafter(adapter=path).preferred_exit_layer(model_fingerprint(model("qwen3"))) == 3
+    assert KangarooDrafter(adapter=path).preferred_exit_layer("another-model") is None  # load says why
+    assert KangarooDrafter(adapter="untrained").preferred_exit_layer("x") is None
+
+
+@needs_ort
+def test_an_onnx_bundle_resplits_only_at_its_own_layer(tmp_path, one_torch_thread):
+    from kangaroo_backends.onnx_backend import OnnxBackend
+    from kangaroo_backends.onnx_export import export_onnx
+    from kangaroo_core.config import ConfigError
+
+    m = model("llama", 0, torch.float32)
+    export_onnx(m, tmp_path / "bundle", exit_layer=3, quiet=True)
+    backend = OnnxBackend(m, TinyTokenizer(64, 5), 2, bundle=tmp_path / "bundle", threads=1, quiet=True)
+    assert backend.resplit(3).exit_layer == 3
+    with pytest.raises(ConfigError, match="split at exit layer 3; it cannot be re-split at 1"):
+        backend.resplit(1)

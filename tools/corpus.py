@@ -195,6 +195,13 @@ class Corpus:
         return out
 
 
+def prompt_template(tokenizer) -> str:
+    """What decides how prompts are written: the chat template, or the plain form for a model without one."""
+    from kangaroo_core.engine import PLAIN_QUESTION
+
+    return getattr(tokenizer, "chat_template", None) or f"plain: {PLAIN_QUESTION}"
+
+
 def _digest_text(text: str | None) -> str | None:
     return None if text is None else hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
@@ -284,7 +291,7 @@ def build(corpus: Corpus, engine, prompts_file: str | Path, settings: CorpusSett
     prompts_file = Path(prompts_file)
     prompts = {p.id: p for p in read_prompts(prompts_file, warn=log)}
     manifest = corpus._start(fingerprint=backend.fingerprint, model_name=backend.model_name, prompts_file=prompts_file,
-                             settings=settings, template=backend.tokenizer.chat_template)
+                             settings=settings, template=prompt_template(backend.tokenizer))
     layout = plan(list(prompts), settings)
     todo = [(split, i, ids) for split in splits for i, ids in enumerate(layout[split])
             if shard_name(split, i) not in manifest["shards"]]

@@ -43,11 +43,15 @@ def shipped_default_adapter(fingerprint: str) -> Path | None:
     return min(fitting)[1] if fitting else None
 
 
-def adapter_exit_layer(directory: str | Path) -> int | None:
-    """The exit layer an adapter directory was trained at (None when it has no readable ``adapter.json``)."""
+def adapter_exit_layer(directory: str | Path, fingerprint: str | None = None) -> int | None:
+    """The exit layer an adapter directory was trained at (None when it has no readable ``adapter.json``, or, given
+    a ``fingerprint``, when it was made for another base model: loading it then says so in one line)."""
     try:
-        layer = json.loads((Path(directory) / METADATA_FILE).read_text()).get("exit_layer")
+        meta = json.loads((Path(directory) / METADATA_FILE).read_text())
+        layer = meta.get("exit_layer")
     except (OSError, ValueError, AttributeError):
+        return None
+    if fingerprint is not None and meta.get("base_model_fingerprint") != fingerprint:
         return None
     return layer if isinstance(layer, int) else None
 
@@ -101,7 +105,7 @@ class KangarooDrafter(SelfDrafter):
         if self.adapter_path is not None:
             path = Path(self.adapter_path)
             shipped = shipped_adapter_named(self.adapter_path) if not path.exists() else None
-            return adapter_exit_layer(shipped or path)
+            return adapter_exit_layer(shipped or path, fingerprint)
         shipped = shipped_default_adapter(fingerprint)
         return adapter_exit_layer(shipped) if shipped else None
 
