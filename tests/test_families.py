@@ -328,3 +328,31 @@ def test_an_onnx_bundle_resplits_only_at_its_own_layer(tmp_path, one_torch_threa
     assert backend.resplit(3).exit_layer == 3
     with pytest.raises(ConfigError, match="split at exit layer 3; it cannot be re-split at 1"):
         backend.resplit(1)
+
+
+def test_architecture_report_joins_training_costs_and_bench(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from kangaroo_tools.architecture_report import main
+
+    costs, bench = [], []
+    for layer in (1, 2):
+        sweep = tmp_path / f"sweep-l{layer}"
+        sweep.mkdir()
+        (sweep / "training_report.json").write_text(json.dumps({
+            "data": {"train_prompts": 8, "train_response_tokens": 100},
+            "history": [{"top1_agreement": 0.1, "cr": 1.1}, {"top1_agreement": 0.2 + layer / 100, "cr": 1.2}]}))
+        costs.append({"adapter": str(sweep), "exit_layer": layer, "layers": 4, "forward_ms": 10.0,
+                      "draft_step_ms": 1.0 * layer, "draft_over_forward": 0.1 * layer})
+        bench.append({"exit_layer": layer, "mean_accepted_tokens": 1.3, "speedup": 1.05})
+    (tmp_path / "costs.json").write_text(json.dumps({"rows": costs}))
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "adapters.json").write_text(json.dumps({"adapters": bench}))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["--out", str(out), "--model", "Tiny", str(tmp_path / "sweep-l"),
+                                       str(tmp_path / "costs.json"), str(tmp_path / "bench")])
+    assert result.exit_code == 0, result.output
+    assert "| Tiny | 2 of 4 | 0.220 | 1.20 | 0.20 (2.0 / 10.0 ms) | 1.30 | 1.05× |" in (out / "architectures.txt").read_text()
+    assert (out / "architectures.png").stat().st_size > 0

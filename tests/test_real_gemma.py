@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from kangaroo_backends.torch_eager import TorchBackend
+from kangaroo_core.config import DecodeConfig
 from kangaroo_core.engine import Engine, encode_prompt
+from kangaroo_plugins.kangaroo.drafter import KangarooDrafter
 from test_real_model import assert_identical_or_near_tie
 
 pytestmark = [pytest.mark.slow,
@@ -55,13 +57,32 @@ def test_the_tokenizer_reads_the_file_as_llama_cpp_does(gemma):
 @pytest.mark.parametrize("kernels", ["auto", "plain"])
 def test_gemma_greedy_identity_with_transformers(gemma, kernels):
     model, tokenizer, name = gemma
-    backend = TorchBackend(model, tokenizer, 2, name, kernels=kernels)
-    engines = {"target": Engine.build(backend=backend, drafter=None), "kangaroo": Engine.build(backend=backend)}
-    for turn in dev_turns(3):
+    layer = KangarooDrafter().preferred_exit_layer(TorchBackend(model, tokenizer, 2, name).fingerprint)
+    assert layer is not None  # the shipped adapter: the exit layer it was trained at
+    backend = TorchBackend(model, tokenizer, layer, name, kernels=kernels)
+    engines = {"target": Engine.build(backend=backend, drafter=None),
+               "kangaroo": Engine.build(backend=backend, config=DecodeConfig(exit_layer=layer))}
+    assert engines["kangaroo"].drafter.resolved_adapter.endswith(f"gemma3-270m-l{layer}")
+    accepted = 0
+    for turn in dev_turns(2):
         ids = encode_prompt(tokenizer, turn)
         with torch.inference_mode():
             reference = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(ids):]
         for label, engine in engines.items():
-            produced = engine.generate_ids(ids, max_new_tokens=NEW_TOKENS).token_ids
-            assert_identical_or_near_tie(model, ids, reference.tolist(), produced, backend.eos_token_ids,
+            result = engine.generate_ids(ids, max_new_tokens=NEW_TOKENS)
+            accepted += sum(r.accepted for r in result.rounds) if label == "kangaroo" else 0
+            assert_identical_or_near_tie(model, ids, reference.tolist(), result.token_ids, backend.eos_token_ids,
                                          f"{label}/{kernels}")
+    assert accepted > 0  # the shipped adapter's drafts were accepted (and checked)
+
+
+def test_generate_compare_uses_the_shipped_adapter_by_default(gemma, capsys):
+    """The issue's "done when": ``kangaroo generate --model gemma3-270m --compare`` on the shipped adapter."""
+    from kangaroo_core.cli import main
+
+    assert main(["generate", "--model", "gemma3-270m", "--compare", "--max-new-tokens", "24",
+                 "Why is the sky blue?"]) == 0
+    err = capsys.readouterr().err
+    assert "output identical to vanilla: yes" in err
+    cr = float(err.split("[kangaroo]")[1].split("(CR) ")[1].split()[0])
+    assert cr > 1.0  # drafts of the shipped adapter were accepted: the untrained one scores 1.00 here
