@@ -60,8 +60,9 @@ def test_gemma_greedy_identity_with_transformers(gemma, kernels):
     layer = KangarooDrafter().preferred_exit_layer(TorchBackend(model, tokenizer, 2, name).fingerprint)
     assert layer is not None  # the shipped adapter: the exit layer it was trained at
     backend = TorchBackend(model, tokenizer, layer, name, kernels=kernels)
-    engines = {"target": Engine.build(backend=backend, drafter=None),
-               "kangaroo": Engine.build(backend=backend, config=DecodeConfig(exit_layer=layer))}
+    config = DecodeConfig(exit_layer=layer)
+    engines = {"target": Engine.build(backend=backend, config=config, drafter=None),
+               "kangaroo": Engine.build(backend=backend, config=config)}
     assert engines["kangaroo"].drafter.resolved_adapter.endswith(f"gemma3-270m-l{layer}")
     accepted = 0
     for turn in dev_turns(2):
