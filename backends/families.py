@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import importlib
-from collections.abc import Sequence
 
 import attrs
 
@@ -132,7 +131,3 @@ def rotary_embeddings(model) -> dict[str, object]:
     local = getattr(inner, "rotary_emb_local", None) if family_of(model.config).local_rotary else None
     return {FULL: inner.rotary_emb, SLIDING: local or inner.rotary_emb}
 
-
-def kinds_of(config, layers: Sequence[int]) -> tuple[str, ...]:
-    kinds = layer_kinds(config)
-    return tuple(kinds[i] for i in layers)
