@@ -12,6 +12,10 @@ the output buffer of the new keys/values: ORT writes the new positions straight 
 between calls, and :meth:`crop` only moves a length pointer (batch 1: a prefix of the seq axis is contiguous).
 Inside the graph the attention still concatenates past and new keys (a temporary, as in any concat-KV export).
 
+Masks are inputs: the runner feeds each graph's ``attention_bias`` / ``sliding_bias`` (causal for a chain call, the
+token tree's for a tree call: :class:`~kangaroo_core.tree.TreeAttention`) and the RoPE positions (the slots for a chain
+call, the nodes' depths for a tree), so the same graphs verify chains and trees.
+
 onnxruntime is imported lazily: the rest of kangaroo works without it, and this backend says how to install it.
 """
 
@@ -27,8 +31,9 @@ import numpy as np
 import torch
 
 from kangaroo_backends.loading import cache_dir, gguf_source, load_model
-from kangaroo_backends.onnx_export import (FORMAT, FORMAT_VERSION, GRAPHS, MANIFEST, WEIGHTS, export_onnx, graph_io,
-                                           import_onnxruntime)
+from kangaroo_backends.families import SLIDING, sliding_window
+from kangaroo_backends.onnx_export import (BIAS_INPUTS, FORMAT, FORMAT_VERSION, GRAPHS, MANIFEST, WEIGHTS,
+                                           attention_bias, export_onnx, graph_io, import_onnxruntime)
 from kangaroo_backends.torch_eager import check_start, describe_split_model
 from kangaroo_core.config import ConfigError, DecodeConfig
 from kangaroo_core.errors import OnnxModelError, ProviderError
@@ -117,14 +122,21 @@ def _file_opset(path: Path, manifest: dict):
 class GraphRunner:
     """One InferenceSession with its KV cache in preallocated buffers, run through IO binding.
 
-    A graph with KV takes ``[first, position_ids, past_key.0, past_value.0, ...]`` and returns
-    ``[outputs..., new_key.0, new_value.0, ...]``; one without (``kv_layers=0``) takes ``[first]`` only.
+    A graph with KV takes ``[first, position_ids, <biases>, past_key.0, past_value.0, ..., <extra>]`` and returns
+    ``[outputs..., new_key.0, new_value.0, ...]``; one without (``kv_layers=0``) takes ``[first]`` only. The bias
+    inputs it names (``attention_bias``; ``sliding_bias`` with the model's ``window``) are built here per call.
     """
 
     def __init__(self, session, inputs: list[str], outputs: list[str], kv_layers: int, kv_shape: tuple[int, int],
-                 max_positions: int, device: torch.device):
+                 max_positions: int, device: torch.device, window: int | None = None):
         self.session, self.device = session, device
         self.inputs, self.outputs = inputs, outputs
+        self.past_names = [name for name in inputs if name.startswith("past_")]
+        self.new_names = [name for name in outputs if name.startswith("new_")]
+        if len(self.past_names) != 2 * kv_layers or len(self.new_names) != 2 * kv_layers:
+            raise OnnxModelError(f"graph inputs/outputs {inputs} → {outputs} do not hold {kv_layers} KV layers")
+        kinds = {name: kind for kind, name in BIAS_INPUTS.items()}
+        self.biases = {name: (window if kinds[name] == SLIDING else None) for name in inputs if name in kinds}
         self.layers = kv_layers
         self.kv_shape = kv_shape
         self.capacity = min(256, max_positions)
@@ -167,10 +179,11 @@ class GraphRunner:
         )
 
     def run(self, first: torch.Tensor, out_shapes: list[tuple[int, ...]],
-            extra: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """Feed ``first`` ([1, n] ids or [1, n, d] states) at the next n positions; return the non-KV outputs.
+            extra: dict[str, torch.Tensor] | None = None, tree=None) -> list[torch.Tensor]:
+        """Feed ``first`` ([1, n] ids or [1, n, d] states) at the next n slots; return the non-KV outputs.
 
-        ``extra``: further graph inputs by name (e.g. a drafter graph's side inputs), fed as they are."""
+        ``extra``: further graph inputs by name (e.g. a drafter graph's side inputs), fed as they are. ``tree``
+        (a :class:`~kangaroo_core.tree.TreeAttention`): the rows are tree nodes (their positions and visibility)."""
         n, start = first.shape[1], self.length
         binding = self.session.io_binding()
         first = first.contiguous()
@@ -188,12 +201,20 @@ class GraphRunner:
             return results
         if start + n > self.capacity:
             self._grow(start + n)
-        positions = torch.arange(start, start + n, device=self.device)[None]
+        if tree is None:
+            positions = torch.arange(start, start + n, device=self.device)[None]
+        else:
+            positions = tree.position_ids(self.device)[None]
         self._bind(binding, "position_ids", positions)
-        for i, buffer in enumerate(self.cache):
-            self._bind(binding, self.inputs[2 + i], buffer[:, :start])
-        for i, buffer in enumerate(self.cache):
-            self._bind(binding, self.outputs[len(out_shapes) + i], buffer[:, start:start + n], output=True)
+        kept.append(positions)
+        for name, window in self.biases.items():
+            bias = attention_bias(n, start, window, tree, self.device)
+            kept.append(bias)
+            self._bind(binding, name, bias)
+        for name, buffer in zip(self.past_names, self.cache):
+            self._bind(binding, name, buffer[:, :start])
+        for name, buffer in zip(self.new_names, self.cache):
+            self._bind(binding, name, buffer[:, start:start + n], output=True)
         self.session.run_with_iobinding(binding)
         self.length = start + n
         return results
@@ -208,6 +229,7 @@ class OnnxBackend(Backend):
 
     name = "onnx"
     runtime = "onnxruntime"
+    supports_trees = True
 
     def __init__(self, model, tokenizer, exit_layer: int, model_name: str = "model", *, provider: str = "auto",
                  bundle: str | Path | None = None, threads: int | None = None, quiet: bool = False,
@@ -337,7 +359,7 @@ class OnnxBackend(Backend):
         head_dim = self.model.config.hidden_size // self.model.config.num_attention_heads
         head_dim = getattr(self.model.config, "head_dim", None) or head_dim
         return GraphRunner(session, inputs, outputs, kv_layers, (self.model.config.num_key_value_heads, head_dim),
-                           self.max_context, self.device)
+                           self.max_context, self.device, window=sliding_window(self.model.config))
 
     def _ensure(self) -> None:
         """Export (once) and open the three graphs; called when a generation starts, never per token."""
@@ -359,8 +381,8 @@ class OnnxBackend(Backend):
         self.weights, self.accuracy_level = export_weights(manifest)
         runners = {}
         for name in GRAPHS:
-            inputs, outputs = graph_io(name, self.num_layers, self.exit_layer)
-            kv_layers = (len(inputs) - 2) // 2 if name != "head" else 0
+            inputs, outputs = graph_io(name, self.model.config, self.exit_layer)
+            kv_layers = sum(i.startswith("past_") for i in inputs) // 2
             runners[name] = self.open_graph(graph_file(directory, manifest, name, directory / MANIFEST), inputs, outputs, kv_layers)
         self.shallow_runner, self.deep_runner, self.head_runner = runners["shallow"], runners["deep"], runners["head"]
         self.manifest = manifest
@@ -386,28 +408,20 @@ class OnnxBackend(Backend):
 
     # -- the split model -------------------------------------------------------------------------------------------
     def shallow(self, token_ids: Sequence[int], start: int, tree=None) -> torch.Tensor:
-        _no_trees(tree)
         self._ensure()
         check_start("shallow", start, self.shallow_runner.length)
         ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=self.device)[None]
-        (hidden,) = self.shallow_runner.run(ids, [(1, ids.shape[1], self.hidden_size)])
+        (hidden,) = self.shallow_runner.run(ids, [(1, ids.shape[1], self.hidden_size)], tree=tree)
         return hidden[0]
 
     def deep(self, hidden: torch.Tensor, start: int, rows: Sequence[int] | None = None, tree=None) -> DeepOutput:
-        _no_trees(tree)
         self._ensure()
         check_start("deep", start, self.deep_runner.length)
         x = hidden.to(device=self.device, dtype=torch.float32)[None].contiguous()
-        (final,) = self.deep_runner.run(x, [(1, x.shape[1], self.hidden_size)])  # [1, n, d]
+        (final,) = self.deep_runner.run(x, [(1, x.shape[1], self.hidden_size)], tree=tree)  # [1, n, d]
         picked = final if rows is None else final[:, torch.as_tensor(list(rows), dtype=torch.long, device=self.device)]
         (logits,) = self.head_runner.run(picked, [(1, picked.shape[1], self.vocab_size)])
         return DeepOutput(logits=logits[0], hidden=final[0])
-
-
-def _no_trees(tree) -> None:
-    """The exported graphs build a causal mask from position ids: they take no tree mask (yet)."""
-    if tree is not None:
-        raise NotImplementedError("the onnx backend's exported graphs take no token-tree mask; use --backend torch")
 
 
 @hookimpl

@@ -10,16 +10,23 @@ plugin into the backend's :meth:`~kangaroo_backends.onnx_backend.OnnxBackend.art
 
 Graphs (``i`` runs over the graph's own layers, numbered from 0; ``kvh`` KV heads, ``hd`` head dim):
 
-* ``shallow.onnx``: ``input_ids`` [1, n] int64, ``position_ids`` [1, n] int64, ``past_key.i`` / ``past_value.i``
-  [1, past, kvh, hd] → ``hidden`` [1, n, d] (layer-l states), ``new_key.i`` / ``new_value.i`` [1, n, kvh, hd].
-* ``deep.onnx``: ``hidden`` [1, n, d], ``position_ids``, the past KV of layers l..L-1 → ``final_hidden`` [1, n, d]
-  (after the final norm: the LM head's input, and the deep context a drafter may read), ``new_key.i`` / ``new_value.i``.
+* ``shallow.onnx``: ``input_ids`` [1, n] int64, ``position_ids`` [1, n] int64 (RoPE positions), ``attention_bias``
+  [1, 1, n, past+n] float32 (0 where row i may read slot j, the float's minimum elsewhere; ``sliding_bias`` too when
+  the graph has sliding-window layers), ``past_key.i`` / ``past_value.i`` [1, past, kvh, hd] → ``hidden`` [1, n, d]
+  (layer-l states), ``new_key.i`` / ``new_value.i`` [1, n, kvh, hd].
+* ``deep.onnx``: ``hidden`` [1, n, d], ``position_ids``, the biases, the past KV of layers l..L-1 → ``final_hidden``
+  [1, n, d] (after the final norm: the LM head's input, and the deep context a drafter may read), ``new_key.i`` /
+  ``new_value.i``.
 * ``head.onnx``: ``final_hidden`` [1, r, d] → ``logits`` [1, r, V]: run only on the rows whose logits are needed
   (the prefill needs one row, not [prompt, V]).
 
 KV layout is [batch, seq, kv_heads, head_dim] and graphs return only the *new* positions' keys/values: the caller
 appends them to its own cache, so a batch-1 cache cropped to its first ``t`` positions is a contiguous prefix (see
 :mod:`kangaroo_backends.onnx_backend`). All graphs are float32.
+
+Why the mask is an input (format 3): a token tree's rows see the committed prefix and their own ancestors only, which
+no rule on position ids can express (siblings share a position); the caller builds the causal bias of a chain call
+(:func:`attention_bias`) or the tree's (:meth:`~kangaroo_core.tree.TreeAttention.additive_mask`), one per layer kind.
 """
 
 from __future__ import annotations
@@ -40,12 +47,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from kangaroo_backends.families import SLIDING, family_of, layer_kinds, rotary_embeddings, sliding_window
+from kangaroo_backends.families import FULL, SLIDING, family_of, layer_kinds, rotary_embeddings, sliding_window
 from kangaroo_core.errors import MissingDependencyError, OnnxExportError
 
 MANIFEST = "manifest.json"
 FORMAT = "kangaroo-onnx"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 DEFAULT_OPSET = 17
 #: accepted max |onnx - eager| relative to max(1, max |eager|) per output
 DEFAULT_TOLERANCE = 1e-4
@@ -55,6 +62,8 @@ DEFAULT_TOLERANCE = 1e-4
 LOSSY_TOLERANCE = 1.0
 WEIGHTS = ("float32", "gguf")
 GRAPHS = ("shallow", "deep", "head")
+#: the bias input of each layer kind (a graph takes the ones its layers use)
+BIAS_INPUTS = {FULL: "attention_bias", SLIDING: "sliding_bias"}
 INSTALL_HINT = "pip install 'kangaroo-decoding[onnx]'"
 
 
@@ -74,12 +83,24 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rotated * sin
 
 
+def attention_bias(n: int, past: int, window: int | None = None, tree=None, device=None) -> torch.Tensor:
+    """The additive bias [1, 1, n, past+n] of n new rows after ``past`` cached slots: causal (windowed for a
+    sliding layer: a query at position p reads keys at positions > p - ``window``), or ``tree``'s visibility."""
+    if tree is not None:
+        return tree.additive_mask(past + n, torch.float32, device, window=window)
+    blocked = torch.ones(n, past + n, dtype=torch.bool, device=device).triu(past + 1)
+    if window is not None:
+        blocked |= torch.ones(n, past + n, dtype=torch.bool, device=device).tril(past - window)
+    bias = torch.zeros(n, past + n, device=device).masked_fill_(blocked, torch.finfo(torch.float32).min)
+    return bias[None, None]
+
+
 class Attention(nn.Module):
     """A decoder attention (any family: the module's own projections, ``q_norm``/``k_norm`` where it has them, its
-    ``scaling``) with explicit KV in/out ([1, seq, kvh, hd]) and a causal mask built from position ids — windowed
-    for a sliding layer (a query at position p sees keys at positions > p - ``window``)."""
+    ``scaling``) with explicit KV in/out ([1, seq, kvh, hd]) and an additive ``bias`` [1, 1, n, T] (causal or a
+    token tree's, windowed for a sliding layer: see :func:`attention_bias`)."""
 
-    def __init__(self, attn: nn.Module, config, window: int | None = None):
+    def __init__(self, attn: nn.Module, config):
         super().__init__()
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
         self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)  # Qwen3, Gemma 3
@@ -87,9 +108,8 @@ class Attention(nn.Module):
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.scaling = float(getattr(attn, "scaling", self.head_dim ** -0.5))
-        self.window = window
 
-    def forward(self, x, cos, sin, position_ids, past_key, past_value):
+    def forward(self, x, cos, sin, bias, past_key, past_value):
         b, n, _ = x.shape
         q = self.q_proj(x).view(b, n, self.heads, self.head_dim).transpose(1, 2)  # [1, H, n, hd]
         k_new = self.k_proj(x).view(b, n, self.kv_heads, self.head_dim)  # [1, n, kvh, hd]
@@ -105,13 +125,7 @@ class Attention(nn.Module):
             t = k.shape[2]
             k = k[:, :, None].expand(b, self.kv_heads, rep, t, self.head_dim).reshape(b, self.heads, t, self.head_dim)
             v = v[:, :, None].expand(b, self.kv_heads, rep, t, self.head_dim).reshape(b, self.heads, t, self.head_dim)
-        scores = torch.matmul(q, k.transpose(2, 3)) * self.scaling  # [1, H, n, T]
-        key_pos = torch.arange(k.shape[2], device=x.device)[None, None, None, :]
-        query_pos = position_ids[:, None, :, None]
-        blocked = key_pos > query_pos
-        if self.window is not None:
-            blocked = blocked | (key_pos <= query_pos - self.window)
-        scores = scores.masked_fill(blocked, torch.finfo(scores.dtype).min)
+        scores = torch.matmul(q, k.transpose(2, 3)) * self.scaling + bias  # [1, H, n, T]
         probs = torch.softmax(scores, dim=-1)
         out = torch.matmul(probs, v).transpose(1, 2).reshape(b, n, self.heads * self.head_dim)
         return self.o_proj(out), k_new, v_new
@@ -139,12 +153,11 @@ class _Layers(nn.Module):
         family = family_of(config)
         layers = model.model.layers[first:last]
         self.kinds = list(layer_kinds(config)[first:last])
-        window = sliding_window(config)
+        self.bias_kinds = [kind for kind in BIAS_INPUTS if kind in self.kinds]  # the order of the bias inputs
         rotary = rotary_embeddings(model)
         self.rotaries = nn.ModuleDict({kind: Rotary(rotary[kind]) for kind in dict.fromkeys(self.kinds)})
         self.norms1 = nn.ModuleList([layer.input_layernorm for layer in layers])
-        self.attns = nn.ModuleList([Attention(layer.self_attn, config, window if kind == SLIDING else None)
-                                    for layer, kind in zip(layers, self.kinds)])
+        self.attns = nn.ModuleList([Attention(layer.self_attn, config) for layer in layers])
         self.norms2 = nn.ModuleList([family.mlp_norm(layer) for layer in layers])
         self.mlps = nn.ModuleList([layer.mlp for layer in layers])
         self.sandwich = family.sandwich_norms
@@ -152,12 +165,15 @@ class _Layers(nn.Module):
             self.post_attn = nn.ModuleList([layer.post_attention_layernorm for layer in layers])
             self.post_mlp = nn.ModuleList([layer.post_feedforward_layernorm for layer in layers])
 
-    def run(self, hidden, position_ids, past):
+    def run(self, hidden, position_ids, rest):
+        """``rest``: the graph's bias inputs (:attr:`bias_kinds` order), then the past keys/values."""
+        biases = dict(zip(self.bias_kinds, rest))
+        past = rest[len(self.bias_kinds):]
         rope = {kind: rotary(position_ids) for kind, rotary in self.rotaries.items()}
         new = []
         for i, attn in enumerate(self.attns):
             cos, sin = rope[self.kinds[i]]
-            attended, k, v = attn(self.norms1[i](hidden), cos, sin, position_ids, past[2 * i], past[2 * i + 1])
+            attended, k, v = attn(self.norms1[i](hidden), cos, sin, biases[self.kinds[i]], past[2 * i], past[2 * i + 1])
             if self.sandwich:
                 attended = self.post_attn[i](attended)
             hidden = hidden + attended
@@ -174,8 +190,8 @@ class ShallowGraph(_Layers):
         super().__init__(model, 0, exit_layer)
         self.embed = model.model.embed_tokens  # Gemma 3's multiplies by sqrt(hidden) itself
 
-    def forward(self, input_ids, position_ids, *past):
-        hidden, new = self.run(self.embed(input_ids), position_ids, past)
+    def forward(self, input_ids, position_ids, *rest):
+        hidden, new = self.run(self.embed(input_ids), position_ids, rest)
         return (hidden, *new)
 
 
@@ -184,8 +200,8 @@ class DeepGraph(_Layers):
         super().__init__(model, exit_layer, model.config.num_hidden_layers)
         self.norm = model.model.norm
 
-    def forward(self, hidden, position_ids, *past):
-        hidden, new = self.run(hidden, position_ids, past)
+    def forward(self, hidden, position_ids, *rest):
+        hidden, new = self.run(hidden, position_ids, rest)
         return (self.norm(hidden), *new)
 
 
@@ -203,14 +219,22 @@ def kv_names(prefix: str, layers: int) -> list[str]:
     return [f"{prefix}_{kind}.{i}" for i in range(layers) for kind in ("key", "value")]
 
 
-def graph_io(name: str, num_layers: int, exit_layer: int) -> tuple[list[str], list[str]]:
-    """Input and output names of one of the backend's graphs."""
+def bias_names(kinds) -> list[str]:
+    """The bias inputs of a graph whose layers are of these kinds (one per kind, in :data:`BIAS_INPUTS` order)."""
+    return [name for kind, name in BIAS_INPUTS.items() if kind in set(kinds)]
+
+
+def graph_io(name: str, config, exit_layer: int) -> tuple[list[str], list[str]]:
+    """Input and output names of one of the backend's graphs for a model of this ``config``."""
     if name == "head":
         return ["final_hidden"], ["logits"]
-    layers = {"shallow": exit_layer, "deep": num_layers - exit_layer}[name]
+    num_layers = config.num_hidden_layers
+    kinds = {"shallow": layer_kinds(config)[:exit_layer], "deep": layer_kinds(config)[exit_layer:]}[name]
     first = {"shallow": "input_ids", "deep": "hidden"}[name]
     outputs = {"shallow": ["hidden"], "deep": ["final_hidden"]}[name]
-    return [first, "position_ids", *kv_names("past", layers)], [*outputs, *kv_names("new", layers)]
+    layers = {"shallow": exit_layer, "deep": num_layers - exit_layer}[name]
+    return ([first, "position_ids", *bias_names(kinds), *kv_names("past", layers)],
+            [*outputs, *kv_names("new", layers)])
 
 
 def _shapes(names: list[str], dims: dict[str, list]) -> dict[str, list]:
@@ -219,7 +243,9 @@ def _shapes(names: list[str], dims: dict[str, list]) -> dict[str, list]:
 
 def _dims(d: int, vocab: int, kvh: int, hd: int) -> dict[str, list]:
     kv_past, kv_new = [1, "past", kvh, hd], [1, "n", kvh, hd]
-    return {"input_ids": [1, "n"], "position_ids": [1, "n"], "hidden": [1, "n", d], "final_hidden": [1, "n", d],
+    bias = [1, 1, "n", "total"]
+    return {"input_ids": [1, "n"], "position_ids": [1, "n"], "attention_bias": bias, "sliding_bias": bias,
+            "hidden": [1, "n", d], "final_hidden": [1, "n", d],
             "logits": [1, "n", vocab], "past_key": kv_past, "past_value": kv_past, "new_key": kv_new,
             "new_value": kv_new}
 
@@ -243,13 +269,19 @@ def export_graph(module: nn.Module, args: tuple, path: Path, inputs: list[str], 
                           opset_version=opset, dynamo=False, do_constant_folding=True)
 
 
-def dynamic_axes(inputs: list[str], outputs: list[str], fixed: tuple[str, ...] = ()) -> dict[str, dict[int, str]]:
-    """Axis 1 is ``past`` for past KV, ``n`` (new positions) for everything else but the ``fixed`` names."""
+def dynamic_axes(inputs: list[str], outputs: list[str], fixed: tuple[str, ...] = (),
+                 special: dict[str, dict[int, str]] | None = None) -> dict[str, dict[int, str]]:
+    """Axis 1 is ``past`` for past KV, ``n`` (new positions) for everything else but the ``fixed`` names; the bias
+    inputs [1, 1, n, total]; ``special``: other names' own axes."""
     axes = {}
     for name in inputs + outputs:
         base = name.split(".")[0]
-        if base in ("past_key", "past_value"):
+        if special and name in special:
+            axes[name] = special[name]
+        elif base in ("past_key", "past_value"):
             axes[name] = {1: "past"}
+        elif base in BIAS_INPUTS.values():
+            axes[name] = {2: "n", 3: "total"}
         elif base not in fixed:
             axes[name] = {1: "n"}
     return axes
@@ -309,32 +341,55 @@ def check_tolerance(name: str, check: dict[str, Any], tolerance: float) -> float
     return limit
 
 
+def graph_biases(config, kinds, n: int, past: int, tree=None, device=None) -> list[torch.Tensor]:
+    """The bias inputs of a graph over layers of these ``kinds`` for n new rows after ``past`` slots."""
+    window = sliding_window(config)
+    return [attention_bias(n, past, window if kind == SLIDING else None, tree, device)
+            for kind in BIAS_INPUTS if kind in set(kinds)]
+
+
+def validation_tree():
+    """The token tree the exported graphs are validated on: after 5 committed slots, rows at slots 5, 6, 7 where
+    slot 6 is a sibling of slot 5 (same position, unseen by it) and slot 7 is slot 5's child."""
+    from kangaroo_core.tree import TreeAttention
+
+    return TreeAttention(committed=5, visible=[(5,), (6,), (5, 7)], positions=[5, 5, 6])
+
+
+VALIDATION_CASES = "past=0,n=4; past=5,n=3; past=5, a 3-node tree"
+
+
 def _cases(name: str, model, exit_layer: int, seed: int = 0):
-    """Random inputs and eager references (TorchBackend) for one graph: a 4-position prefill (no past) and a
-    3-position step after 5 cached positions."""
+    """Random inputs and eager references (TorchBackend) for one graph: a 4-position prefill (no past), a
+    3-position step after 5 cached positions, and a 3-node token tree after 5 cached positions."""
     from kangaroo_backends.torch_eager import TorchBackend
 
     gen = torch.Generator().manual_seed(seed)
-    vocab, d = model.config.vocab_size, model.config.hidden_size
-    for past, n in ((0, 4), (5, 3)):
+    config = model.config
+    vocab, d = config.vocab_size, config.hidden_size
+    kinds = {"shallow": layer_kinds(config)[:exit_layer], "deep": layer_kinds(config)[exit_layer:]}.get(name, ())
+    for past, n, tree in ((0, 4, None), (5, 3, None), (5, 3, validation_tree())):
         backend = TorchBackend(model, SimpleNamespace(eos_token_id=None), exit_layer)
         ids = torch.randint(0, vocab, (past + n,), generator=gen)
-        positions = torch.arange(past, past + n)[None]
+        positions = torch.arange(past, past + n)[None] if tree is None else tree.position_ids()[None]
+        biases = graph_biases(config, kinds, n, past, tree)
         if name == "shallow":
             if past:
                 backend.shallow(ids[:past].tolist(), 0)
             past_kv = torch_kv(backend.cache, range(exit_layer))
-            hidden = backend.shallow(ids[past:].tolist(), past)
-            yield [ids[None, past:], positions, *past_kv], [hidden[None], *[t[:, past:] for t in torch_kv(backend.cache, range(exit_layer))]]
+            hidden = backend.shallow(ids[past:].tolist(), past, tree=tree)
+            yield ([ids[None, past:], positions, *biases, *past_kv],
+                   [hidden[None], *[t[:, past:] for t in torch_kv(backend.cache, range(exit_layer))]])
         elif name == "deep":
             states = torch.randn(past + n, d, generator=gen)
             layers = range(exit_layer, backend.num_layers)
             if past:
                 backend.deep(states[:past], 0)
             past_kv = torch_kv(backend.cache, layers)
-            out = backend.deep(states[past:], past)
-            yield [states[None, past:], positions, *past_kv], [out.hidden[None], *[t[:, past:] for t in torch_kv(backend.cache, layers)]]
-        else:
+            out = backend.deep(states[past:], past, tree=tree)
+            yield ([states[None, past:], positions, *biases, *past_kv],
+                   [out.hidden[None], *[t[:, past:] for t in torch_kv(backend.cache, layers)]])
+        elif tree is None:
             final = torch.randn(1, n, d, generator=gen)
             with torch.inference_mode():
                 yield [final], [model.lm_head(final)]
@@ -392,11 +447,12 @@ def export_onnx(model, out_dir: str | os.PathLike, *, exit_layer: int, fingerpri
         modules = {"shallow": ShallowGraph(model, exit_layer), "deep": DeepGraph(model, exit_layer),
                    "head": HeadGraph(model)}
         for name, module in modules.items():
-            inputs, outputs = graph_io(name, num_layers, exit_layer)
+            inputs, outputs = graph_io(name, cfg, exit_layer)
             n, past = 2, 3
             first = torch.zeros(1, n, dtype=torch.long) if name == "shallow" else torch.randn(1, n, cfg.hidden_size)
-            kv = [torch.randn(1, past, kvh, hd) for _ in inputs[2:]]
-            args = (first,) if name == "head" else (first, torch.arange(past, past + n)[None], *kv)
+            biases = [attention_bias(n, past) for i in inputs if i in BIAS_INPUTS.values()]
+            kv = [torch.randn(1, past, kvh, hd) for i in inputs if i.startswith("past_")]
+            args = (first,) if name == "head" else (first, torch.arange(past, past + n)[None], *biases, *kv)
             file = tmp / f"{name}.onnx"
             if not quiet:
                 print(f"kangaroo: exporting {name}.onnx", file=sys.stderr)
@@ -417,7 +473,7 @@ def export_onnx(model, out_dir: str | os.PathLike, *, exit_layer: int, fingerpri
                 "inputs": _shapes(inputs, dims),
                 "outputs": _shapes(outputs, dims),
                 "layers": {"shallow": [0, exit_layer], "deep": [exit_layer, num_layers], "head": []}[name],
-                "validation": {**check, "tolerance": limit, "cases": "past=0,n=4; past=5,n=3"},
+                "validation": {**check, "tolerance": limit, "cases": VALIDATION_CASES},
             }
         manifest = {
             "format": FORMAT,

@@ -215,7 +215,9 @@ def _policy_specs(text: str | None):
                    "NAME:KEY=VALUE[:KEY=VALUE], e.g. learned:predictor=DIR.")
 @click.option("--tree-budgets", default=None,
               help="Comma-separated tree node budgets: one kangaroo_tree column each (dynamic tree; --tree-topk / "
-                   "--tree-depth apply), next to the chain.")
+                   "--tree-depth apply), next to the chain; one kangaroo_onnx_tree column each too when "
+                   "kangaroo_onnx_tree is among --methods. The tree methods use the --tree NAME shaper (default "
+                   "dynamic).")
 @click.option("--baseline", default="hf_vanilla", show_default=True,
               help="Method label the speedups are relative to (identity is always checked against hf_vanilla).")
 @engine_options
@@ -250,15 +252,17 @@ def bench(questions_file, out_dir, methods, limit_per_subtask, repeats, no_warmu
                 label = f"kangaroo[eta={e:g},gamma={g}]"
                 specs.append(MethodSpec(label, "kangaroo", {"eta": e, "gamma": g}))
                 sweep_points.append({"label": label, "eta": e, "gamma": g})
+    onnx_trees = "kangaroo_onnx_tree" in [s.name for s in specs]
     for budget in _int_list(tree_budgets, "--tree-budgets"):
-        specs.append(MethodSpec(f"kangaroo_tree[budget={budget}]", "kangaroo_tree", {"budget": budget}))
+        for name in ("kangaroo_tree", *(("kangaroo_onnx_tree",) if onnx_trees else ())):
+            specs.append(MethodSpec(f"{name}[budget={budget}]", name, {"budget": budget}))
     specs += adapter_specs + policy_specs
     if baseline not in [s.label for s in specs]:
         raise UsageError(f"--baseline {baseline!r} is not one of the measured methods: {', '.join(s.label for s in specs)}")
     backend_obj, config = opts.settled(config)  # at the shipped adapter's layer unless --exit-layer says otherwise
     context = BenchContext(backend_obj, config, drafter=opts.drafter, policy=opts.policy, verifier=opts.verifier,
                            adapter=opts.adapter, policy_options=options, drafter_options=opts.parsed_drafter_options(),
-                           tree_options=opts.parsed_tree_options())
+                           tree_options=opts.parsed_tree_options(), tree=opts.tree)
     run = run_bench(context, build_methods(specs, context), questions, max_new_tokens=max_new_tokens, repeats=repeats,
                     warmup=not no_warmup, progress=not no_progress)
     summary = summarize(run, baseline)

@@ -283,11 +283,11 @@ _SHARED = [
     click.option("--seed", type=int, default=None, help="Seed for sampling: the same seed gives the same output."),
     click.option("--draft-sampling", is_flag=True, help="Sample drafts from the adapter's distribution (default: its top-1)."),
     click.option("--tree", default=None, metavar="NAME",
-                 help="Draft a token tree per round instead of a chain (torch backend): dynamic (EAGLE-2) or chain "
+                 help="Draft a token tree per round instead of a chain (torch and onnx backends): dynamic (EAGLE-2) or chain "
                       "(the chain as a tree); see docs/trees.md."),
     click.option("--tree-budget", default=None, metavar="N|auto",
                  help="--tree dynamic: nodes verified per round (default auto: sized from the measured verify cost)."),
-    click.option("--tree-topk", type=int, default=None, help="--tree dynamic: children per node and nodes expanded per depth (default 2)."),
+    click.option("--tree-topk", type=int, default=None, help="--tree dynamic: children per node and nodes expanded per depth (default 3)."),
     click.option("--tree-depth", type=int, default=None, help="--tree: longest drafted path (default 5; chain: gamma)."),
     click.option("--tree-option", "tree_options", multiple=True, metavar="KEY=VALUE",
                  help="Option for the tree shaper plugin (repeatable)."),

@@ -153,10 +153,10 @@ class Engine:
         """Token trees need every piece's tree support; refused in one line otherwise."""
         name = self.tree.name or type(self.tree).__name__
         if not getattr(self.backend, "supports_trees", False):
-            raise ConfigError(f"tree '{name}': the '{self.backend.name}' backend cannot verify token trees (torch can)")
+            raise ConfigError(f"tree '{name}': the '{self.backend.name}' backend cannot verify token trees (torch and onnx can)")
         if not getattr(self.drafter, "drafts_trees", False):
             raise ConfigError(f"tree '{name}': the '{self.drafter.name or type(self.drafter).__name__}' drafter "
-                              "cannot draft token trees (the kangaroo drafter on the torch backend can)")
+                              "cannot draft token trees (the kangaroo drafter can)")
         if type(self.verifier).verify_tree is Verifier.verify_tree:
             raise ConfigError(f"tree '{name}': the '{self.verifier.name or type(self.verifier).__name__}' verifier "
                               "cannot verify token trees (greedy and speculative can)")

@@ -83,7 +83,7 @@ def register_tree_shapers(register):
     pass checks (``select``: ancestor-closed, at most ``budget``). The engine does the batched passes, the tree
     masks, verification and the cache bookkeeping. Selected with ``--tree NAME`` and ``--tree-budget`` /
     ``--tree-topk`` / ``--tree-depth`` (built-in: ``dynamic``, EAGLE-2's dynamic tree; ``chain``, the paper's chain
-    as a tree of width 1 driven by the stopping policy).
+    as a tree of width 1 driven by the stopping policy; ``fan``, that chain plus the root's runners-up).
     """
 
 

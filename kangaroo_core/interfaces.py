@@ -156,7 +156,10 @@ class Backend(abc.ABC):
 
     def open_graph(self, path: Any, inputs: list[str], outputs: list[str], kv_layers: int) -> Any:
         """Run a drafter's exported graph the way the backend runs its own (provider, threads, KV buffers): returns
-        a runner with ``run(first, out_shapes)``, ``length``, ``reset()``, ``crop(n)``, ``keep(positions)``."""
+        a runner with ``run(first, out_shapes, extra=None, tree=None)``, ``length``, ``reset()``, ``crop(n)``,
+        ``keep(positions)``. The runner feeds ``position_ids`` and any ``attention_bias`` / ``sliding_bias`` input
+        itself (causal, or ``tree``'s visibility); ``extra`` holds the graph's other inputs by name. KV inputs and
+        outputs are named ``past_*`` / ``new_*`` (``kv_layers`` pairs of each), as the backend's own graphs."""
         raise NotImplementedError(f"the '{self.name}' backend runs no exported graphs")
 
 

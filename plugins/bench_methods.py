@@ -168,14 +168,14 @@ class KangarooHybridMethod(KangarooMethod):
 
 
 class KangarooTreeMethod(KangarooMethod):
-    """Our engine drafting a token tree per round (the run's drafter and adapter, the ``dynamic`` shaper unless
-    ``tree`` says otherwise). Options: ``budget`` (nodes verified per round, or "auto"), ``topk``, ``depth``; unset
-    ones come from the run's ``--tree-budget`` / ``--tree-topk`` / ``--tree-depth``."""
+    """Our engine drafting a token tree per round (the run's drafter and adapter; the shaper ``tree``, else the
+    run's ``--tree NAME``, else ``dynamic``). Options: ``budget`` (nodes verified per round, or "auto"), ``topk``,
+    ``depth``; unset ones come from the run's ``--tree-budget`` / ``--tree-topk`` / ``--tree-depth``."""
 
     name = "kangaroo_tree"
     rank = 5
 
-    def __init__(self, tree: str = "dynamic", budget: int | str | None = None, topk: int | None = None,
+    def __init__(self, tree: str | None = None, budget: int | str | None = None, topk: int | None = None,
                  depth: int | None = None, **options: Any):
         super().__init__(**options)
         self.tree = tree
@@ -184,7 +184,10 @@ class KangarooTreeMethod(KangarooMethod):
     def make_engine(self, context: BenchContext):
         return context.engine(config=self.config_for(context), adapter=self.adapter_or_default, policy=self.policy,
                               policy_options=self.policy_options, drafter=self.drafter or RUN_DEFAULT,
-                              tree=self.tree, tree_options=self.tree_options)
+                              tree=self.shaper(context), tree_options=self.tree_options)
+
+    def shaper(self, context: BenchContext) -> str:
+        return self.tree or getattr(context, "tree", None) or "dynamic"
 
 
 class VanillaMethod(EngineMethod):

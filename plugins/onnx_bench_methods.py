@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from kangaroo_core.bench.api import BenchContext
+from kangaroo_core.bench.api import RUN_DEFAULT, BenchContext
 from kangaroo_core.errors import KangarooError, MissingDependencyError
 from kangaroo_core.hookspecs import hookimpl
-from kangaroo_plugins.bench_methods import EngineMethod, HFGenerate, KangarooMethod
+from kangaroo_plugins.bench_methods import EngineMethod, HFGenerate, KangarooMethod, KangarooTreeMethod
 
 INSTALL_HINT = "pip install 'kangaroo-decoding[onnx]'"
 
@@ -153,6 +153,26 @@ class KangarooOnnx(_OnnxEngine, KangarooMethod):
                               policy=self.policy, policy_options=self.policy_options)
 
 
+class KangarooOnnxTree(_OnnxEngine, KangarooTreeMethod):
+    """Token trees on onnxruntime (the same graphs verify chains and trees; options as ``kangaroo_tree``)."""
+
+    name = "kangaroo_onnx_tree"
+    rank = 7
+
+    def __init__(self, provider: str = "auto", **options: Any):
+        super().__init__(**options)
+        self.provider = provider
+
+    def make_engine(self, context: BenchContext):
+        config = self.config_for(context)
+        if config.exit_layer != context.backend.exit_layer:
+            raise KangarooError("kangaroo_onnx_tree runs at the bench's --exit-layer only")
+        return context.engine(config=config, backend=self.onnx_backend(context), adapter=self.adapter_or_default,
+                              policy=self.policy, policy_options=self.policy_options,
+                              drafter=self.drafter or RUN_DEFAULT, tree=self.shaper(context),
+                              tree_options=self.tree_options)
+
+
 class VanillaOnnxGguf(VanillaOnnx):
     """The target alone on onnxruntime with the GGUF file's own 4/8-bit weights (MatMulNBits, float32 activations)."""
 
@@ -174,5 +194,6 @@ def register_bench_methods(register):
     register("ort_vanilla", ORTVanilla)
     register("vanilla_onnx", VanillaOnnx)
     register("kangaroo_onnx", KangarooOnnx)
+    register("kangaroo_onnx_tree", KangarooOnnxTree)
     register("vanilla_onnx_gguf", VanillaOnnxGguf)
     register("kangaroo_onnx_gguf", KangarooOnnxGguf)

@@ -5,6 +5,9 @@
   ``budget="auto"`` sizes it from the backend's measured verify-cost curve (:mod:`kangaroo_core.bench.cost_model`).
 * ``chain`` — the paper's chain as a tree of width 1: one child per node, grown while the stopping policy keeps
   drafting (at most ``depth`` = gamma). Same drafts as the chain loop; the reference for the tree machinery.
+* ``fan`` — the chain plus the root's runners-up: the first position gets the drafter's ``topk`` candidates (they
+  come from the root's own drafter call: extra verify rows, no extra draft pass), and the chain grows below the most
+  likely one while the stopping policy keeps drafting.
 """
 
 from __future__ import annotations
@@ -53,12 +56,17 @@ class DynamicTree(TreeShaper):
     ``topk`` (children per expanded node and nodes expanded per depth), ``depth`` (longest path), ``min_prob``: a
     node is expanded or verified only while its cumulative draft probability (the product along its path) is at
     least this — the tree's second early exit: each expansion is a pass of M[:l] and the drafter, worth it only
-    when the drafter expects its children to be accepted (0 grows the full EAGLE-2 tree). The defaults (2, 5,
-    0.15, budget sized from the measured cost curve) are what measured fastest on SmolLM2 (docs/trees.md)."""
+    when the drafter expects its children to be accepted (0 grows the full EAGLE-2 tree). The defaults (3, 5,
+    0.45, budget sized from the measured cost curve): the root's 3 best children are verified (when the budget
+    allows; a second and
+    third candidate at the first position cost one verify row each and no draft pass), deeper nodes only while their
+    path is likely — on SmolLM2 an expansion costs ~14 % of a verify pass (6.6 ms vs 47 ms on onnx, one thread), so it
+    pays when its children's expected accepted tokens × the time per token exceed that, i.e. from a path
+    probability of about 0.4 (docs/trees.md has the measurements)."""
 
     name = "dynamic"
 
-    def __init__(self, budget: int | str = "auto", topk: int = 2, depth: int = 5, min_prob: float = 0.15):
+    def __init__(self, budget: int | str = "auto", topk: int = 3, depth: int = 5, min_prob: float = 0.45):
         if budget != "auto":
             _positive("budget", budget)
         if isinstance(min_prob, bool) or not isinstance(min_prob, (int, float)) or not 0.0 <= min_prob < 1.0:
@@ -130,7 +138,45 @@ class ChainTree(TreeShaper):
         return list(range(1, len(tree)))
 
 
+class FanTree(ChainTree):
+    """The chain with the root's ``topk`` candidates (all verified) and the chain's own stopping rule below the most
+    likely of them (``depth``: longest path; default the config's gamma). Where a chain loses a round to a wrong
+    first draft, the target's token is often the drafter's second or third choice; those candidates need no pass
+    of M[:l] and the drafter, only a verify row each — while a deeper tree's every expansion costs a draft pass."""
+
+    name = "fan"
+
+    def __init__(self, topk: int = 3, depth: int = 6):
+        super().__init__(depth)
+        self.topk = _positive("topk", topk)
+        self.budget = self.depth + self.topk - 1
+
+    @classmethod
+    def create(cls, config: DecodeConfig, **options: Any) -> "FanTree":
+        return cls(**{"depth": config.gamma, **options})
+
+    def children(self, tree, node, probs: torch.Tensor) -> list[int]:
+        if node != 0:
+            return super().children(tree, node, probs)
+        tokens = torch.topk(probs, min(self.topk, probs.shape[-1])).indices.tolist()
+        for i in range(len(tokens)):
+            self._probs[len(tree) + i] = probs  # the children about to be added drew from these
+        return tokens
+
+    def expand(self, tree, frontier) -> list[int]:
+        if not frontier:
+            return []
+        node = frontier[0]  # children are added most likely first
+        probs = self._probs[node]
+        if tree.tokens[node] != int(probs.argmax()):  # the top candidate was an EOS: nothing to grow below
+            return []
+        step = DraftStep(index=tree.depths[node], token=tree.tokens[node], probs=probs,
+                         confidence=float(probs.max()))
+        return [node] if self.policy.keep_drafting(step) else []
+
+
 @hookimpl
 def register_tree_shapers(register):
     register("dynamic", DynamicTree)
     register("chain", ChainTree)
+    register("fan", FanTree)

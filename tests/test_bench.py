@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from kangaroo_backends.onnx_export import FORMAT_VERSION
 from kangaroo_core import plugins
 from kangaroo_core.bench.api import BenchMethod, MethodResult
 from kangaroo_core.bench.harness import METRIC_KEYS, metrics, rotate
@@ -21,7 +22,7 @@ QUESTIONS = [
     {"question_id": 7, "category": "qa", "turns": ["what is the cat"], "subtask": "qa"},
 ]
 BUILTIN = ["hf_vanilla", "hf_prompt_lookup", "hf_early_exit", "vanilla", "kangaroo", "kangaroo_hybrid", "kangaroo_tree", "ort_vanilla", "vanilla_onnx",
-           "kangaroo_onnx"]
+           "kangaroo_onnx", "kangaroo_onnx_tree"]
 SEEN: list[list[dict]] = []
 
 
@@ -176,7 +177,7 @@ def test_onnx_methods_export_once_into_the_cache(smoke):
     out, results = smoke
     cache = out.parent / "cache"
     assert (next((cache / "ort").iterdir()) / "model.onnx").is_file()  # optimum's export for ort_vanilla
-    exports = [d for d in (cache / "onnx" / "v2").iterdir() if (d / "manifest.json").is_file()]  # our split graphs
+    exports = [d for d in (cache / "onnx" / f"v{FORMAT_VERSION}").iterdir() if (d / "manifest.json").is_file()]  # our split graphs
     assert len(exports) == 1
     assert list((exports[0] / "drafters" / "kangaroo").glob("*/adapter.onnx"))  # the drafter's graph beside them
     assert results["methods"]["ort_vanilla"]["overall"]["mean_accepted_tokens"] is None  # no layers to count

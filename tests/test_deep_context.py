@@ -106,6 +106,31 @@ def test_runner_keys_follow_the_deep_states_it_was_given():
     assert torch.allclose(got, want, atol=1e-10)
 
 
+def test_the_exported_graphs_attention_equals_the_runners():
+    """``attend_biased`` (the ONNX graph's attention: grouped heads by reshape, an additive bias) equals
+    ``attend_all`` for a chain's one query and ``attend_masked`` (SDPA, a boolean mask) for a token tree's rows."""
+    from kangaroo_core.tree import TreeAttention
+
+    m = tiny_llama(3, layers=3, heads=4, kv_heads=2, dtype=torch.float64)
+    adapter = random_adapter(m, 1, 5).eval()
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(1, 2, 9, 8, generator=gen, dtype=torch.float64)
+    values = torch.randn(1, 2, 9, 8, generator=gen, dtype=torch.float64)
+    with torch.inference_mode():
+        x = torch.randn(1, 1, 32, generator=gen, dtype=torch.float64)
+        position = torch.tensor([8])
+        assert torch.equal(adapter.attend_biased(x, position, keys, values, torch.zeros(1, 1, 1, 9, dtype=x.dtype)),
+                           adapter.attend_all(x, position, keys, values))
+        tree = TreeAttention(committed=6, visible=[(6,), (7,), (6, 8)], positions=[6, 6, 7])
+        rows = torch.randn(1, 3, 32, generator=gen, dtype=torch.float64)
+        positions = tree.position_ids()
+        got = adapter.attend_biased(rows, positions, keys, values, tree.additive_mask(9, torch.float64))
+        want = adapter.attend_masked(rows, positions, keys, values, tree.allowed(9))
+        assert torch.allclose(got, want, atol=1e-12)
+        shuffled = adapter.attend_biased(rows, positions, keys, values, tree.additive_mask(9, torch.float64)[..., [1, 0, 2], :])
+        assert not torch.allclose(shuffled, want, atol=1e-6)  # the bias rows reach their own queries
+
+
 @pytest.mark.skipif(not HAS_ORT, reason="onnxruntime/onnx not installed (pip install '.[onnx]')")
 @pytest.mark.parametrize("eta, gamma", [(0.0, 4), (0.1, 3)])
 def test_onnx_runner_drafts_like_the_torch_runner_and_stays_lossless(tmp_path, eta, gamma):

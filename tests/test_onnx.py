@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+from kangaroo_backends.onnx_export import FORMAT_VERSION
 from kangaroo_core.cli import main
 from kangaroo_core.config import DecodeConfig
 from kangaroo_core.engine import Engine
@@ -76,10 +77,11 @@ def test_export_writes_a_validated_manifest(bundles):
     graphs = sorted(p.name for p in directory.iterdir() if p.suffix in (".onnx", ".json"))
     assert graphs == ["deep.onnx", "head.onnx", "manifest.json", "shallow.onnx"]  # the drafter's graph is not ours
     assert manifest["base_model_fingerprint"] == model_fingerprint(model(1))
-    assert (manifest["exit_layer"], manifest["num_layers"], manifest["opset"], manifest["format_version"]) == (1, 3, 17, 2)
+    assert (manifest["exit_layer"], manifest["num_layers"], manifest["opset"], manifest["format_version"]) == (1, 3, 17, 3)
     assert {"torch", "onnx", "onnxruntime", "kangaroo-decoding"} <= set(manifest["versions"])
     shallow = manifest["graphs"]["shallow"]
-    assert list(shallow["inputs"]) == ["input_ids", "position_ids", "past_key.0", "past_value.0"]
+    assert list(shallow["inputs"]) == ["input_ids", "position_ids", "attention_bias", "past_key.0", "past_value.0"]
+    assert shallow["inputs"]["attention_bias"] == [1, 1, "n", "total"]
     assert shallow["inputs"]["past_key.0"] == [1, "past", 2, 8]
     assert list(manifest["graphs"]["deep"]["outputs"]) == ["final_hidden", "new_key.0", "new_value.0", "new_key.1", "new_value.1"]
     assert manifest["graphs"]["head"]["inputs"] == {"final_hidden": [1, "n", 32]}
@@ -109,14 +111,18 @@ def test_exported_adapter_alone_gives_the_drafter_logits(tmp_path):
     hidden = torch.randn(6, m.config.hidden_size)
     with torch.inference_mode():
         expected = m.lm_head(adapter(hidden[None], 0)[0, -1])
+    from kangaroo_backends.onnx_export import attention_bias
+
     past = torch.zeros(1, 0, 2, 8).numpy()
     step1 = session.run(None, {"hidden": hidden[None, :4].numpy(), "position_ids": torch.arange(4)[None].numpy(),
-                               "past_key.0": past, "past_value.0": past})
-    keys, values = step1[2], step1[3]
+                               "attention_bias": attention_bias(4, 0).numpy(), "past_key.0": past,
+                               "past_value.0": past, "logit_rows": torch.tensor([3]).numpy()})
+    keys, values = step1[1], step1[2]
     step2 = session.run(None, {"hidden": hidden[None, 4:].numpy(), "position_ids": torch.arange(4, 6)[None].numpy(),
-                               "past_key.0": keys, "past_value.0": values})
-    assert step2[0].shape == (1, m.config.vocab_size) and step2[2].shape == (1, 2, 2, 8)
-    assert torch.allclose(torch.from_numpy(step2[0][0]), expected, atol=1e-4)
+                               "attention_bias": attention_bias(2, 4).numpy(), "past_key.0": keys,
+                               "past_value.0": values, "logit_rows": torch.tensor([1]).numpy()})
+    assert step2[0].shape == (1, 1, m.config.vocab_size) and step2[2].shape == (1, 2, 2, 8)
+    assert torch.allclose(torch.from_numpy(step2[0][0, 0]), expected, atol=1e-4)
 
 
 @needs_ort
@@ -184,7 +190,7 @@ def test_trained_adapter_is_exported_with_the_backend_and_drafts_the_same(tmp_pa
         assert calls == [path]  # the adapter is hashed when a drafter binds: never per generation or token
     assert got.token_ids == want.token_ids
     assert [(r.drafted, r.accepted) for r in got.rounds] == [(r.drafted, r.accepted) for r in want.rounds]
-    (export,) = (tmp_path / "cache" / "onnx" / "v2").iterdir()
+    (export,) = (tmp_path / "cache" / "onnx" / f"v{FORMAT_VERSION}").iterdir()
     (graph,) = (export / "drafters" / "kangaroo").iterdir()  # the drafter's graph lives inside the backend's export
     assert graph.name == f"l1-{real_key(path)}" and (graph / "adapter.onnx").is_file()
     with pytest.raises(AdapterMismatchError):
@@ -260,7 +266,7 @@ def test_failed_first_use_export_leaves_no_cache(tmp_path, monkeypatch, one_torc
     monkeypatch.setattr(oe, "validate_outputs", lambda *a, **k: {"max_abs_diff": 1.0, "max_abs_reference": 1.0})
     with pytest.raises(OnnxExportError, match="export refused"):
         onnx_backend(1, 1, None).reset()
-    assert list((tmp_path / "onnx" / "v2").iterdir()) == []
+    assert list((tmp_path / "onnx" / f"v{FORMAT_VERSION}").iterdir()) == []
 
 
 def test_missing_onnxruntime_gives_the_install_hint(monkeypatch, tiny_model_dir, capsys):
@@ -291,7 +297,7 @@ def test_cli_generate_backend_onnx_exports_once_and_matches_torch(tiny_model_dir
     assert "exporting" not in err and json.loads(out)["token_ids"] == first["token_ids"]
     assert main(args) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == first["token_ids"]
-    (export,) = (tmp_path / "onnx" / "v2").iterdir()
+    (export,) = (tmp_path / "onnx" / f"v{FORMAT_VERSION}").iterdir()
     assert export.name.endswith("-l1")
     assert [p.name for p in (export / "drafters" / "kangaroo").iterdir()] == ["l1-untrained"]
 

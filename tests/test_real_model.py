@@ -18,6 +18,7 @@ from kangaroo_core.engine import Engine
 from kangaroo_plugins.greedy_verifier import GreedyVerifier
 from kangaroo_plugins.kangaroo.drafter import KangarooDrafter
 from kangaroo_policies.threshold import ThresholdPolicy
+from kangaroo_policies.tree_shapes import DynamicTree
 
 pytestmark = pytest.mark.slow
 
@@ -141,6 +142,34 @@ def test_the_gguf_file_s_own_4_bit_weights_on_onnxruntime(smollm, references):
         drafted = Engine(backend, KangarooDrafter(), ThresholdPolicy(), GreedyVerifier(), config).generate_ids(prompt_ids)
         assert drafted.token_ids == alone.token_ids, prompt
         assert drafted.mean_accepted_tokens > 1.2
+        tree = Engine(backend, KangarooDrafter(), ThresholdPolicy(), GreedyVerifier(), config,
+                      tree=DynamicTree(budget=6)).generate_ids(prompt_ids)
+        assert tree.token_ids == alone.token_ids, prompt
         assert_identical_or_near_tie(model, prompt_ids, reference, alone.token_ids, backend.eos_token_ids,
                                      f"gguf onnx prompt={prompt!r}")
     assert backend.manifest["weights"]["format"] == "gguf-matmulnbits"
+
+
+def test_token_trees_on_onnxruntime_match_the_target_alone(smollm, references):
+    """The float32 onnx backend verifies token trees with the same graphs as chains: with the shipped adapter, the
+    default tree and a wide EAGLE-2 tree are token-identical to that backend's target alone (and to transformers up
+    to near-ties), and accept more per pass than the chain."""
+    pytest.importorskip("onnxruntime")
+    from kangaroo_backends.onnx_backend import OnnxBackend
+
+    model, tokenizer, name = smollm
+    backend = OnnxBackend(model, tokenizer, 2, name, provider="cpu", quiet=True)
+    config = DecodeConfig(exit_layer=2, max_new_tokens=NEW_TOKENS)
+    rates = {"chain": [], "wide": []}
+    for prompt in PROMPTS[3:6]:
+        prompt_ids, reference = references[prompt]
+        alone = Engine(backend, None, ThresholdPolicy(), GreedyVerifier(), config).generate_ids(prompt_ids)
+        assert_identical_or_near_tie(model, prompt_ids, reference, alone.token_ids, backend.eos_token_ids,
+                                     f"onnx prompt={prompt!r}")
+        for label, tree in (("chain", None), ("default", DynamicTree()),
+                            ("wide", DynamicTree(budget=12, topk=3, depth=6, min_prob=0.0))):
+            result = Engine(backend, KangarooDrafter(), ThresholdPolicy(), GreedyVerifier(), config,
+                            tree=tree).generate_ids(prompt_ids)
+            assert result.token_ids == alone.token_ids, (label, prompt)
+            rates.setdefault(label, []).append(result.mean_accepted_tokens)
+    assert sum(rates["wide"]) > sum(rates["chain"])

@@ -5,6 +5,7 @@ exactly the accepted path, EOS inside a tree, budget 1, the context limit, refus
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import pytest
@@ -228,9 +229,9 @@ def test_the_kangaroo_drafter_drafts_trees_losslessly(adapter_type, tmp_path):
     prompt = [5, 9, 14, 5, 9, 14, 5, 9]
     reference = hf_greedy(model, prompt, 30)
     engine = make_engine(tiny_backend(model, exit_layer=2), KangarooDrafter(str(tmp_path)),
-                         DynamicTree(budget=6, topk=3, depth=4), max_new_tokens=30)
+                         DynamicTree(budget=6, topk=3, depth=4, min_prob=0.0), max_new_tokens=30)
     result = run_checked(engine, prompt, 30)
-    assert result.token_ids == reference and sum(r.accepted for r in result.rounds) > 0
+    assert result.token_ids == reference and max(r.accepted for r in result.rounds) >= 2  # deeper than the root
 
 
 def test_the_chain_shaper_reproduces_the_chain_round_for_round():
@@ -245,6 +246,37 @@ def test_the_chain_shaper_reproduces_the_chain_round_for_round():
     chain, as_tree = results
     assert chain.token_ids == as_tree.token_ids == hf_greedy(model, prompt, 30)
     assert [(r.drafted, r.accepted) for r in chain.rounds] == [(r.drafted, r.accepted) for r in as_tree.rounds]
+
+
+def test_the_fan_shaper_widens_the_first_position_only():
+    """``fan``: the root's top-k candidates, the chain below the most likely one; lossless, and with topk=1 it is the
+    chain round for round."""
+    from kangaroo_policies.tree_shapes import FanTree
+
+    model = tiny_llama(4, vocab=32, hidden=16, layers=3)
+    prompt = list(range(3, 11))
+    reference = hf_greedy(model, prompt, 40)
+    swaps = set(range(len(prompt), len(prompt) + 40))  # the right token is always the drafter's 2nd choice
+    config = DecodeConfig(exit_layer=1, eta=0.0, gamma=4, max_new_tokens=40)
+    fan = FanTree.create(config, topk=3)
+    engine = make_engine(tiny_backend(model, exit_layer=1), OracleTreeDrafter(prompt + reference, 32, swaps), fan,
+                         gamma=4)
+    result = run_checked(engine, prompt, 40)
+    assert result.token_ids == reference and fan.budget == 4 + 3 - 1
+    assert all(r.drafted <= fan.budget for r in result.rounds)
+    # a chain accepts nothing here; the fan accepts the runner-up at depth 1 and nothing below (it grows the top one)
+    chain = make_engine(tiny_backend(model, exit_layer=1), OracleTreeDrafter(prompt + reference, 32, swaps), None,
+                        gamma=4)
+    assert chain.generate_ids(prompt, 40).mean_accepted_tokens == 1.0
+    assert all(r.accepted == 1 for r in result.rounds[:-1]) and result.mean_accepted_tokens > 1.9
+    swaps = set(range(len(prompt), len(prompt) + 40, 3))
+    narrow = make_engine(tiny_backend(model, exit_layer=1), OracleTreeDrafter(prompt + reference, 32, swaps),
+                         FanTree.create(config, topk=1), gamma=4)
+    chain_again = make_engine(tiny_backend(model, exit_layer=1), OracleTreeDrafter(prompt + reference, 32, swaps),
+                              None, gamma=4)
+    a, b = narrow.generate_ids(prompt, 40), chain_again.generate_ids(prompt, 40)
+    assert a.token_ids == b.token_ids == reference
+    assert [(r.drafted, r.accepted) for r in a.rounds] == [(r.drafted, r.accepted) for r in b.rounds]
 
 
 def test_budget_1_and_the_context_limit():
@@ -290,9 +322,13 @@ def test_refusals():
     sampling = SamplingConfig(temperature=1.0, sample_drafts=True)
     with pytest.raises(ConfigError, match="draft-sampling"):
         make_engine(backend, OracleTreeDrafter([1], 32), DynamicTree(budget=4), sampling=sampling)
-    from kangaroo_backends.onnx_backend import OnnxBackend
+    from kangaroo_backends.torch_eager import TorchBackend
 
-    assert not OnnxBackend.supports_trees
+    class ChainBackend(TorchBackend):  # a backend that verifies chains only
+        supports_trees = False
+
+    with pytest.raises(ConfigError, match="cannot verify token trees"):
+        make_engine(ChainBackend(model, None, 1), OracleTreeDrafter([1], 32), DynamicTree(budget=4))
     with pytest.raises(ConfigError, match="budget"):
         DynamicTree(budget=0)
     with pytest.raises(ConfigError, match="min_prob"):
@@ -390,5 +426,166 @@ def test_bench_runs_tree_methods_next_to_the_chain(tiny_model_dir, tmp_path):
     assert code == 0
     summary = json.loads((tmp_path / "out" / "results.json").read_text())
     for label in ("kangaroo_tree", "kangaroo_tree[budget=2]", "kangaroo_tree[budget=5]"):
+        entry = summary["methods"][label]
+        assert entry["error"] is None and entry["overall"]["identical_to_vanilla"] is True, label
+    code = main(["bench", "--questions", str(questions), "--model", str(tiny_model_dir), "--exit-layer", "1",
+                 "--methods", "vanilla,kangaroo_tree", "--tree", "fan", "--tree-topk", "3", "--max-new-tokens", "8",
+                 "--no-progress", "--no-warmup", "--out", str(tmp_path / "fan"), "--baseline", "vanilla"])
+    assert code == 0
+    entry = json.loads((tmp_path / "fan" / "results.json").read_text())["methods"]["kangaroo_tree"]
+    assert entry["error"] is None and entry["overall"]["identical_to_vanilla"] is True
+    assert "fan" in json.loads((tmp_path / "fan" / "results.json").read_text())["run"]["command"]
+
+
+# -- the onnx backend: the same graphs verify chains and trees (masks and positions are inputs) ------------------
+HAS_ORT = importlib.util.find_spec("onnxruntime") is not None and importlib.util.find_spec("onnx") is not None
+needs_ort = pytest.mark.skipif(not HAS_ORT, reason="onnxruntime/onnx not installed (pip install '.[onnx]')")
+ONNX_MODELS: dict = {}
+
+
+def onnx_target(family: str, seed: int, exit_layer: int, root):
+    """(float32 model, onnx backend) exported once per (family, seed, exit layer) for the module."""
+    from kangaroo_backends.onnx_backend import OnnxBackend
+    from kangaroo_backends.onnx_export import export_onnx
+    from kangaroo_core.testing import TinyTokenizer, tiny_model
+
+    key = (family, seed, exit_layer)
+    if key not in ONNX_MODELS:
+        model = tiny_model(family, seed, vocab=32, hidden=16, layers=3, heads=4, kv_heads=2, dtype=torch.float32,
+                           init_std=0.2)
+        directory = root / "-".join(map(str, key))
+        export_onnx(model, directory, exit_layer=exit_layer, quiet=True)
+        ONNX_MODELS[key] = (model, directory)
+    model, directory = ONNX_MODELS[key]
+    backend = OnnxBackend(model, TinyTokenizer(32, model.generation_config.eos_token_id), exit_layer,
+                          bundle=directory, threads=1, quiet=True)
+    return model, backend
+
+
+@pytest.fixture(scope="module")
+def onnx_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("onnx-tree-bundles")
+
+
+def assert_onnx_caches_hold(engine, sequence, cached):
+    """The onnx backend's KV buffers hold exactly the first ``cached`` tokens, as the eager target computes them."""
+    backend = engine.backend
+    assert backend.cache_lengths() == (cached, cached)
+    fresh = tiny_backend(backend.model, exit_layer=backend.exit_layer)
+    with torch.inference_mode():
+        fresh.deep(fresh.shallow(list(sequence[:cached]), 0), 0)
+    runners = [(backend.shallow_runner, range(backend.exit_layer)),
+               (backend.deep_runner, range(backend.exit_layer, backend.num_layers))]
+    for runner, layers in runners:
+        for j, layer in enumerate(layers):
+            for got, want in zip(runner.cache[2 * j: 2 * j + 2], fresh.cache.layer(layer)):
+                assert torch.allclose(got[0, :cached], want[0].transpose(0, 1), atol=1e-4), f"layer {layer} differs"
+
+
+@needs_ort
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(family=st.sampled_from(["llama", "gemma3", "qwen2"]), seed=st.integers(0, 1), topk=st.integers(1, 3),
+       depth=st.integers(1, 4), budget=st.integers(1, 8), swaps=st.sets(st.integers(8, 30), max_size=5),
+       max_new_tokens=st.integers(1, 20), eos_index=st.one_of(st.none(), st.integers(0, 15)))
+def test_onnx_tree_rounds_are_identical_to_transformers(onnx_root, family, seed, topk, depth, budget, swaps,
+                                                        max_new_tokens, eos_index):
+    model, backend = onnx_target(family, seed, 1, onnx_root)
+    prompt = [(seed * 7 + i * 5) % 32 for i in range(8)]
+    set_eos(model, None)
+    reference = hf_greedy(model, prompt, max_new_tokens)
+    if eos_index is not None and eos_index < len(reference):
+        set_eos(model, reference[eos_index])
+        reference = hf_greedy(model, prompt, max_new_tokens)
+        backend = onnx_target(family, seed, 1, onnx_root)[1]  # reads the EOS when built
+    drafter = OracleTreeDrafter(prompt + reference, 32, swap_at=swaps)
+    engine = make_engine(backend, drafter, DynamicTree(budget=budget, topk=topk, depth=depth, min_prob=0.0),
+                         max_new_tokens=max_new_tokens)
+    loop, output = engine.decode(list(prompt), max_new_tokens), []
+    while True:
+        try:
+            output.extend(next(loop))
+        except StopIteration as done:
+            result = done.value
+            break
+        if output[-1] not in backend.eos_token_ids and len(output) < max_new_tokens:
+            assert_onnx_caches_hold(engine, prompt + output, len(prompt) + len(output) - 1)
+    set_eos(model, None)
+    assert result.token_ids == reference
+    assert all(r.drafted <= budget and r.accepted <= min(depth, r.drafted) for r in result.rounds)
+
+
+@needs_ort
+def test_onnx_trees_accept_siblings(onnx_root, one_torch_thread):
+    model, backend = onnx_target("llama", 0, 1, onnx_root)
+    set_eos(model, None)
+    prompt = list(range(3, 11))
+    reference = hf_greedy(model, prompt, 30)
+    swaps = set(range(len(prompt), len(prompt) + 30, 3))
+    engine = make_engine(backend, OracleTreeDrafter(prompt + reference, 32, swaps),
+                         DynamicTree(budget=10, topk=2, depth=6, min_prob=0.0))
+    result = engine.generate_ids(prompt, 30)
+    assert result.token_ids == reference
+    assert max(r.accepted for r in result.rounds) >= 3  # through second-ranked children at the swapped positions
+
+
+@needs_ort
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("adapter_type", ["attention", "deep-context"])
+def test_the_kangaroo_drafter_drafts_the_same_trees_on_onnx_as_on_torch(onnx_root, tmp_path, family, adapter_type,
+                                                                        one_torch_thread):
+    """Both runtimes: identical output, the same rounds (the adapter graph takes the tree mask too: nodes below the
+    root are drafted by ``advance_tree``), and the adapter graph's KV cache equal to the eager adapter's."""
+    from kangaroo_backends.torch_eager import model_fingerprint
+    from kangaroo_plugins.kangaroo.adapter import adapter_class
+
+    model, backend = onnx_target(family, 5, 2, onnx_root)
+    set_eos(model, None)
+    adapter = adapter_class(adapter_type).from_base_layer(model, 2)
+    if adapter_type == "deep-context":  # non-zero fusions, so the deep states really enter keys and queries
+        with torch.no_grad():
+            for module in (adapter.kv_fuse, adapter.query_fuse, adapter.depth_embedding):
+                module.weight.normal_(0, 0.005)
+    adapter.save(tmp_path, base_fingerprint=model_fingerprint(model), exit_layer=2)
+    prompt = [5, 9, 14, 5, 9, 14, 5, 9]
+    reference = hf_greedy(model, prompt, 24)
+    results, runners = [], []
+    for target in (backend, tiny_backend(model, exit_layer=2)):
+        drafter = KangarooDrafter(str(tmp_path))
+        engine = make_engine(target, drafter, DynamicTree(budget=6, topk=3, depth=4, min_prob=0.0),
+                             max_new_tokens=24)
+        results.append(engine.generate_ids(prompt, 24))
+        runners.append(drafter.runner)
+    on_onnx, on_torch = results
+    assert on_onnx.token_ids == on_torch.token_ids == reference
+    assert [(r.drafted, r.accepted) for r in on_onnx.rounds] == [(r.drafted, r.accepted) for r in on_torch.rounds]
+    assert max(r.accepted for r in on_onnx.rounds) >= 2  # paths through advance_tree were accepted
+    graph, eager = runners
+    assert graph.length == eager.length
+    for got, want in zip(graph.graph.cache, eager.cache.layer(0)):  # [1, slots, kvh, hd] vs [1, kvh, slots, hd]
+        assert torch.allclose(got[0, :graph.length], want[0].transpose(0, 1), atol=1e-4)
+    if adapter_type == "deep-context":
+        assert torch.allclose(graph.context.hidden[:graph.length], eager.context.hidden[:eager.length], atol=1e-4)
+
+
+@needs_ort
+def test_onnx_trees_from_the_command_line_and_the_bench(tiny_model_dir, tmp_path, capsys):
+    import json
+
+    from kangaroo_core.cli import main
+
+    base = ["generate", "tell me a story", "--model", str(tiny_model_dir), "--max-new-tokens", "12", "--json",
+            "--exit-layer", "1", "--backend", "onnx"]
+    assert main(base + ["--tree", "dynamic", "--tree-budget", "4", "--tree-topk", "2", "--compare"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["identical_to_vanilla"] is True
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": ["tell me a story"]}) + "\n")
+    code = main(["bench", "--questions", str(questions), "--model", str(tiny_model_dir), "--exit-layer", "1",
+                 "--methods", "vanilla_onnx,kangaroo_onnx,kangaroo_onnx_tree", "--tree-budgets", "3",
+                 "--max-new-tokens", "8", "--no-progress", "--no-warmup", "--out", str(tmp_path / "out"),
+                 "--baseline", "vanilla_onnx"])
+    assert code == 0
+    summary = json.loads((tmp_path / "out" / "results.json").read_text())
+    for label in ("kangaroo_onnx_tree", "kangaroo_onnx_tree[budget=3]", "kangaroo_tree[budget=3]"):
         entry = summary["methods"][label]
         assert entry["error"] is None and entry["overall"]["identical_to_vanilla"] is True, label

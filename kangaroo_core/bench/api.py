@@ -39,8 +39,9 @@ class BenchContext:
     def __init__(self, backend: "Backend", config: "DecodeConfig", *, drafter: str = "kangaroo",
                  policy: str = "threshold", verifier: str = "auto", adapter: str | None = None,
                  policy_options: dict[str, Any] | None = None, drafter_options: dict[str, Any] | None = None,
-                 tree_options: dict[str, Any] | None = None):
+                 tree_options: dict[str, Any] | None = None, tree: str | None = None):
         self.backend, self.config = backend, config
+        self.tree = tree  # the run's --tree: the shaper of the tree methods (None: theirs, "dynamic")
         self.drafter, self.policy, self.verifier, self.adapter = drafter, policy, verifier, adapter
         self.policy_options = dict(policy_options or {})
         self.drafter_options = dict(drafter_options or {})

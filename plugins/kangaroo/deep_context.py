@@ -114,6 +114,20 @@ class DeepContextAdapter(KangarooAdapter):
         attended = torch.matmul(torch.softmax(scores, dim=-1), values)  # [1, kvh, rep, hd]
         return self.finish(x_q, attended.reshape(1, self.heads, 1, self.head_dim))
 
+    def attend_biased(self, x_q: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      bias: torch.Tensor) -> torch.Tensor:
+        """The exported graph's attention: queries x_q [1, r, d] at ``positions`` [r] over every key [1, kvh, T, hd],
+        plus an additive ``bias`` [1, 1, r, T] (zeros for a chain's one query, a token tree's visibility otherwise).
+        Grouped-query heads are matched by a reshape, as in :meth:`attend_all` (which this equals for one query and
+        a zero bias) → [1, r, d]."""
+        r = x_q.shape[1]
+        q = self.queries(x_q, positions)  # [1, H, r, hd]
+        rep = self.heads // self.kv_heads
+        q = q.reshape(1, self.kv_heads, rep * r, self.head_dim)  # row (g, j, i): head g * rep + j, query i
+        scores = torch.matmul(q, keys.transpose(2, 3)) * self.scaling + bias.repeat(1, 1, rep, 1)  # [1, kvh, rep*r, T]
+        attended = torch.matmul(torch.softmax(scores, dim=-1), values)  # [1, kvh, rep*r, hd]
+        return self.finish(x_q, attended.reshape(1, self.heads, r, self.head_dim))
+
     def attend_masked(self, x_q: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                       allowed: torch.Tensor) -> torch.Tensor:
         """Tree drafting: queries x_q [1, m, d] at ``positions`` [m] over the cached keys [1, kvh, T, hd], query i

@@ -151,12 +151,10 @@ class KangarooDrafter(SelfDrafter):
     def observe_deep(self, start: int, hidden: torch.Tensor) -> None:
         self.runner.observe_deep(start, hidden)
 
-    # -- token trees (torch runtime: the runners with a tree mask) -------------------------------------------------
+    # -- token trees (every runner takes a tree mask: eager PyTorch and the exported graphs) -----------------------
     @property
     def drafts_trees(self) -> bool:
-        from kangaroo_plugins.kangaroo.runners import TorchAdapterRunner
-
-        return isinstance(self.runner, TorchAdapterRunner)
+        return self.runner is not None and type(self.runner).advance_tree is not DraftRunner.advance_tree
 
     def advance_tree(self, token_ids: Sequence[int], paths, hidden: torch.Tensor, start: int, tree) -> torch.Tensor:
         return self.runner.advance_tree(hidden, start, tree)  # [m, V]

@@ -206,8 +206,20 @@ class OnnxAdapterRunner(DraftRunner):
     def advance(self, hidden: torch.Tensor, start: int) -> torch.Tensor:
         check_start("adapter", start, self.length)
         x = hidden.to(device=self.device, dtype=torch.float32)[None].contiguous()
-        logits, _ = self.graph.run(x, [(1, self.vocab_size), (1, x.shape[1], self.hidden_size)])
+        rows = torch.tensor([x.shape[1] - 1])  # a chain drafts from its last row
+        (logits,) = self.graph.run(x, [(1, 1, self.vocab_size)], {"logit_rows": rows})
+        return logits[0, 0]  # [V]
+
+    def advance_tree(self, hidden: torch.Tensor, start: int, tree) -> torch.Tensor:
+        """Tree nodes [m, d] at slots start.. → logits [m, V] (each node sees the prefix and its ancestors)."""
+        check_start("adapter", start, self.length)
+        x = hidden.to(device=self.device, dtype=torch.float32)[None].contiguous()
+        m = x.shape[1]
+        (logits,) = self.graph.run(x, [(1, m, self.vocab_size)], {"logit_rows": torch.arange(m)}, tree=tree)
         return logits[0]
+
+    def keep(self, positions) -> None:
+        self.graph.keep(list(positions))
 
 
 class DeepContextOnnxRunner(OnnxAdapterRunner):
@@ -221,17 +233,40 @@ class DeepContextOnnxRunner(OnnxAdapterRunner):
         super().reset()
         self.context.known = 0
 
-    def _run(self, start: int, n: int) -> torch.Tensor:
+    def _run(self, start: int, n: int, tree=None) -> torch.Tensor:
+        """Append slots start..start+n-1; a chain call drafts from its last row ([1, V] logits), a tree call from
+        every node ([n, V]: node i at the tree's position, reading the prefix and its ancestors)."""
         c = self.context
+        if tree is None:
+            rows, depth = torch.tensor([n - 1]), torch.tensor([start + n - 1 - c.known])
+            bias = torch.zeros(1, 1, 1, start + n, device=self.device)  # a chain's query reads every key
+        else:
+            positions = tree.position_ids()
+            rows, depth = torch.arange(n), positions - c.known
+            bias = tree.additive_mask(start + n, torch.float32, self.device)
         extra = {"deep": c.deep_rows(start, n)[None], "known": c.known_mask(start, n)[None],
-                 "latest_deep": c.latest()[None], "depth": torch.tensor([start + n - 1 - c.known])}
-        (logits,) = self.graph.run(c.hidden[start:start + n][None], [(1, self.vocab_size)], extra)
+                 "latest_deep": c.latest()[None], "query_rows": rows, "depth": depth, "query_bias": bias}
+        (logits,) = self.graph.run(c.hidden[start:start + n][None], [(1, len(rows), self.vocab_size)], extra, tree=tree)
         return logits[0]
 
     def advance(self, hidden: torch.Tensor, start: int) -> torch.Tensor:
         check_start("adapter", start, self.length)
         self.context.store_hidden(hidden.to(device=self.device, dtype=torch.float32), start)
-        return self._run(start, hidden.shape[0])
+        return self._run(start, hidden.shape[0])[0]  # [V]
+
+    def advance_tree(self, hidden: torch.Tensor, start: int, tree) -> torch.Tensor:
+        """Tree nodes [m, d] at slots start..: none has a deep state (plain keys); each query reads the latest
+        verified deep state and its own draft depth, as :class:`DeepContextTorchRunner` does."""
+        check_start("adapter", start, self.length)
+        self.context.store_hidden(hidden.to(device=self.device, dtype=torch.float32), start)
+        return self._run(start, hidden.shape[0], tree)  # [m, V]
+
+    def keep(self, positions) -> None:
+        """Keep these slots of the cache and of the remembered layer-l states (the accepted tree path)."""
+        positions = list(positions)
+        index = torch.as_tensor(positions, dtype=torch.long, device=self.context.hidden.device)
+        self.context.hidden[: len(positions)] = self.context.hidden.index_select(0, index)
+        self.graph.keep(positions)
 
     def observe_deep(self, start: int, deep: torch.Tensor) -> None:
         c = self.context
