@@ -156,7 +156,12 @@ class KangarooMethod(EngineMethod):
 
     def make_engine(self, context: BenchContext):
         return context.engine(config=self.config_for(context), adapter=self.adapter_or_default, policy=self.policy,
-                              policy_options=self.policy_options, drafter=self.drafter or RUN_DEFAULT)
+                              policy_options=self.policy_options, drafter=self.drafter or RUN_DEFAULT,
+                              **self.tree_arguments(context))
+
+    def tree_arguments(self, context: BenchContext) -> dict[str, Any]:
+        """``tree`` / ``tree_options`` for :meth:`BenchContext.engine` (none: chain rounds)."""
+        return {}
 
 
 class KangarooHybridMethod(KangarooMethod):
@@ -181,13 +186,8 @@ class KangarooTreeMethod(KangarooMethod):
         self.tree = tree
         self.tree_options = {k: v for k, v in (("budget", budget), ("topk", topk), ("depth", depth)) if v is not None}
 
-    def make_engine(self, context: BenchContext):
-        return context.engine(config=self.config_for(context), adapter=self.adapter_or_default, policy=self.policy,
-                              policy_options=self.policy_options, drafter=self.drafter or RUN_DEFAULT,
-                              tree=self.shaper(context), tree_options=self.tree_options)
-
-    def shaper(self, context: BenchContext) -> str:
-        return self.tree or getattr(context, "tree", None) or "dynamic"
+    def tree_arguments(self, context: BenchContext) -> dict[str, Any]:
+        return {"tree": self.tree or getattr(context, "tree", None) or "dynamic", "tree_options": self.tree_options}
 
 
 class VanillaMethod(EngineMethod):

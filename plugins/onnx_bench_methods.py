@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from kangaroo_core.bench.api import RUN_DEFAULT, BenchContext
+from kangaroo_core.bench.api import BenchContext
 from kangaroo_core.errors import KangarooError, MissingDependencyError
 from kangaroo_core.hookspecs import hookimpl
 from kangaroo_plugins.bench_methods import EngineMethod, HFGenerate, KangarooMethod, KangarooTreeMethod
@@ -148,29 +148,16 @@ class KangarooOnnx(_OnnxEngine, KangarooMethod):
     def make_engine(self, context: BenchContext):
         config = self.config_for(context)
         if config.exit_layer != context.backend.exit_layer:
-            raise KangarooError("kangaroo_onnx runs at the bench's --exit-layer only")
+            raise KangarooError(f"{self.name} runs at the bench's --exit-layer only")
         return context.engine(config=config, backend=self.onnx_backend(context), adapter=self.adapter_or_default,
-                              policy=self.policy, policy_options=self.policy_options)
+                              policy=self.policy, policy_options=self.policy_options, **self.tree_arguments(context))
 
 
-class KangarooOnnxTree(_OnnxEngine, KangarooTreeMethod):
+class KangarooOnnxTree(KangarooOnnx, KangarooTreeMethod):
     """Token trees on onnxruntime (the same graphs verify chains and trees; options as ``kangaroo_tree``)."""
 
     name = "kangaroo_onnx_tree"
     rank = 7
-
-    def __init__(self, provider: str = "auto", **options: Any):
-        super().__init__(**options)
-        self.provider = provider
-
-    def make_engine(self, context: BenchContext):
-        config = self.config_for(context)
-        if config.exit_layer != context.backend.exit_layer:
-            raise KangarooError("kangaroo_onnx_tree runs at the bench's --exit-layer only")
-        return context.engine(config=config, backend=self.onnx_backend(context), adapter=self.adapter_or_default,
-                              policy=self.policy, policy_options=self.policy_options,
-                              drafter=self.drafter or RUN_DEFAULT, tree=self.shaper(context),
-                              tree_options=self.tree_options)
 
 
 class VanillaOnnxGguf(VanillaOnnx):

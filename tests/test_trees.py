@@ -214,18 +214,24 @@ def test_siblings_are_accepted_and_trees_beat_the_chain_with_the_same_drafter():
     assert b.mean_accepted_tokens > a.mean_accepted_tokens
 
 
-@pytest.mark.parametrize("adapter_type", ["attention", "deep-context"])
-def test_the_kangaroo_drafter_drafts_trees_losslessly(adapter_type, tmp_path):
+def save_adapter(model, adapter_type: str, directory, exit_layer: int = 2) -> None:
+    """An adapter of ``adapter_type`` for ``model`` saved in ``directory`` (a deep-context one with non-zero fusions,
+    so the deep states really enter its keys and queries)."""
     from kangaroo_backends.torch_eager import model_fingerprint
     from kangaroo_plugins.kangaroo.adapter import adapter_class
 
-    model = tiny_llama(7, vocab=48, hidden=32, layers=4, init_std=0.02)
-    adapter = adapter_class(adapter_type).from_base_layer(model, 2)
-    if adapter_type == "deep-context":  # non-zero fusions, so the deep states really enter keys and queries
+    adapter = adapter_class(adapter_type).from_base_layer(model, exit_layer)
+    if adapter_type == "deep-context":
         with torch.no_grad():
             for module in (adapter.kv_fuse, adapter.query_fuse, adapter.depth_embedding):
                 module.weight.normal_(0, 0.005)
-    adapter.save(tmp_path, base_fingerprint=model_fingerprint(model), exit_layer=2)
+    adapter.save(directory, base_fingerprint=model_fingerprint(model), exit_layer=exit_layer)
+
+
+@pytest.mark.parametrize("adapter_type", ["attention", "deep-context"])
+def test_the_kangaroo_drafter_drafts_trees_losslessly(adapter_type, tmp_path):
+    model = tiny_llama(7, vocab=48, hidden=32, layers=4, init_std=0.02)
+    save_adapter(model, adapter_type, tmp_path)
     prompt = [5, 9, 14, 5, 9, 14, 5, 9]
     reference = hf_greedy(model, prompt, 30)
     engine = make_engine(tiny_backend(model, exit_layer=2), KangarooDrafter(str(tmp_path)),
@@ -411,30 +417,35 @@ def test_generate_tree_from_the_command_line(tiny_model_dir, capsys):
     assert "nope" in capsys.readouterr().err
 
 
-def test_bench_runs_tree_methods_next_to_the_chain(tiny_model_dir, tmp_path):
+def bench_identical(model_dir, questions, out, labels, *flags) -> dict:
+    """Run ``kangaroo bench`` (8 new tokens) and assert the ``labels`` ran without error, identical to the baseline."""
     import json
 
     from kangaroo_core.cli import main
 
+    assert main(["bench", "--questions", str(questions), "--model", str(model_dir), "--exit-layer", "1",
+                 "--max-new-tokens", "8", "--no-progress", "--no-warmup", "--out", str(out), *flags]) == 0
+    summary = json.loads((out / "results.json").read_text())
+    for label in labels:
+        entry = summary["methods"][label]
+        assert entry["error"] is None and entry["overall"]["identical_to_vanilla"] is True, label
+    return summary
+
+
+def test_bench_runs_tree_methods_next_to_the_chain(tiny_model_dir, tmp_path):
+    import json
+
     questions = tmp_path / "q.jsonl"
     questions.write_text("\n".join(json.dumps({"question_id": i, "category": "writing", "turns": [t]})
                                    for i, t in enumerate(["tell me a story", "why is the sky blue"])) + "\n")
-    code = main(["bench", "--questions", str(questions), "--model", str(tiny_model_dir), "--exit-layer", "1",
-                 "--methods", "vanilla,kangaroo,kangaroo_tree", "--tree-budgets", "2,5", "--tree-topk", "2",
-                 "--max-new-tokens", "8", "--no-progress", "--no-warmup", "--out", str(tmp_path / "out"),
-                 "--baseline", "vanilla"])
-    assert code == 0
-    summary = json.loads((tmp_path / "out" / "results.json").read_text())
-    for label in ("kangaroo_tree", "kangaroo_tree[budget=2]", "kangaroo_tree[budget=5]"):
-        entry = summary["methods"][label]
-        assert entry["error"] is None and entry["overall"]["identical_to_vanilla"] is True, label
-    code = main(["bench", "--questions", str(questions), "--model", str(tiny_model_dir), "--exit-layer", "1",
-                 "--methods", "vanilla,kangaroo_tree", "--tree", "fan", "--tree-topk", "3", "--max-new-tokens", "8",
-                 "--no-progress", "--no-warmup", "--out", str(tmp_path / "fan"), "--baseline", "vanilla"])
-    assert code == 0
-    entry = json.loads((tmp_path / "fan" / "results.json").read_text())["methods"]["kangaroo_tree"]
-    assert entry["error"] is None and entry["overall"]["identical_to_vanilla"] is True
-    assert "fan" in json.loads((tmp_path / "fan" / "results.json").read_text())["run"]["command"]
+    bench_identical(tiny_model_dir, questions, tmp_path / "out",
+                    ("kangaroo_tree", "kangaroo_tree[budget=2]", "kangaroo_tree[budget=5]"),
+                    "--methods", "vanilla,kangaroo,kangaroo_tree", "--tree-budgets", "2,5", "--tree-topk", "2",
+                    "--baseline", "vanilla")
+    summary = bench_identical(tiny_model_dir, questions, tmp_path / "fan", ("kangaroo_tree",),
+                              "--methods", "vanilla,kangaroo_tree", "--tree", "fan", "--tree-topk", "3",
+                              "--baseline", "vanilla")
+    assert "--tree fan" in summary["run"]["command"]
 
 
 # -- the onnx backend: the same graphs verify chains and trees (masks and positions are inputs) ------------------
@@ -535,17 +546,9 @@ def test_the_kangaroo_drafter_drafts_the_same_trees_on_onnx_as_on_torch(onnx_roo
                                                                         one_torch_thread):
     """Both runtimes: identical output, the same rounds (the adapter graph takes the tree mask too: nodes below the
     root are drafted by ``advance_tree``), and the adapter graph's KV cache equal to the eager adapter's."""
-    from kangaroo_backends.torch_eager import model_fingerprint
-    from kangaroo_plugins.kangaroo.adapter import adapter_class
-
     model, backend = onnx_target(family, 5, 2, onnx_root)
     set_eos(model, None)
-    adapter = adapter_class(adapter_type).from_base_layer(model, 2)
-    if adapter_type == "deep-context":  # non-zero fusions, so the deep states really enter keys and queries
-        with torch.no_grad():
-            for module in (adapter.kv_fuse, adapter.query_fuse, adapter.depth_embedding):
-                module.weight.normal_(0, 0.005)
-    adapter.save(tmp_path, base_fingerprint=model_fingerprint(model), exit_layer=2)
+    save_adapter(model, adapter_type, tmp_path)
     prompt = [5, 9, 14, 5, 9, 14, 5, 9]
     reference = hf_greedy(model, prompt, 24)
     results, runners = [], []
@@ -580,12 +583,7 @@ def test_onnx_trees_from_the_command_line_and_the_bench(tiny_model_dir, tmp_path
     assert payload["identical_to_vanilla"] is True
     questions = tmp_path / "q.jsonl"
     questions.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": ["tell me a story"]}) + "\n")
-    code = main(["bench", "--questions", str(questions), "--model", str(tiny_model_dir), "--exit-layer", "1",
-                 "--methods", "vanilla_onnx,kangaroo_onnx,kangaroo_onnx_tree", "--tree-budgets", "3",
-                 "--max-new-tokens", "8", "--no-progress", "--no-warmup", "--out", str(tmp_path / "out"),
-                 "--baseline", "vanilla_onnx"])
-    assert code == 0
-    summary = json.loads((tmp_path / "out" / "results.json").read_text())
-    for label in ("kangaroo_onnx_tree", "kangaroo_onnx_tree[budget=3]", "kangaroo_tree[budget=3]"):
-        entry = summary["methods"][label]
-        assert entry["error"] is None and entry["overall"]["identical_to_vanilla"] is True, label
+    bench_identical(tiny_model_dir, questions, tmp_path / "out",
+                    ("kangaroo_onnx_tree", "kangaroo_onnx_tree[budget=3]", "kangaroo_tree[budget=3]"),
+                    "--methods", "vanilla_onnx,kangaroo_onnx,kangaroo_onnx_tree", "--tree-budgets", "3",
+                    "--baseline", "vanilla_onnx")
