@@ -342,45 +342,49 @@ def test_refusals():
 
 
 # -- sampling: distributed as the target alone -------------------------------------------------------------------
+def sampled_outcomes(backend, verifier_cls, n=400, seed0=0):
+    """n seeded tree generations of 3 tokens (oracle drafter, two children per node): the outcomes as integers and
+    the drafts accepted."""
+    from test_sampling_distribution import PROMPT, SAMPLING, TOKENS, VOCAB
+
+    engine = make_engine(backend, OracleTreeDrafter(PROMPT + [0, 1, 2], VOCAB),
+                         DynamicTree(budget=6, topk=2, depth=2), max_new_tokens=TOKENS, sampling=SAMPLING)
+    engine.verifier = verifier_cls(SAMPLING)
+    out, accepted = [], 0
+    for seed in range(seed0, seed0 + n):
+        engine.config = engine.config.replace(sampling=SAMPLING.replace(seed=seed))
+        result = engine.generate_ids(PROMPT, TOKENS)
+        ids = result.token_ids
+        out.append((ids[0] * VOCAB + ids[1]) * VOCAB + ids[2])
+        accepted += sum(r.accepted for r in result.rounds)
+    return out, accepted
+
+
+class NoRenormalisation(SpeculativeVerifier):  # accepts each candidate with its original p: not lossless
+    def verify_tree(self, tree, target_logits):
+        from kangaroo_core.sampling import draw, target_probs, uniform
+
+        p = target_probs(target_logits, self.sampling)
+        row, path = 0, []
+        while True:
+            nxt = next((c for c in tree.children[row] if uniform(self.generator) < float(p[row, tree.tokens[c]])),
+                       None)
+            if nxt is None:
+                return Verdict([r - 1 for r in path], draw(p[row], self.generator))
+            path.append(nxt)
+            row = nxt
+
+
 def test_tree_sampling_follows_the_target_distribution_and_a_wrong_rule_is_caught():
-    from test_sampling_distribution import PROMPT, SAMPLING, TOKENS, VOCAB, chi_square, exact_distribution
+    from test_sampling_distribution import SAMPLING, VOCAB, chi_square, exact_distribution
 
     model = tiny_llama(2, vocab=VOCAB, hidden=16, layers=3, heads=4, kv_heads=2)
     target = exact_distribution(model, SAMPLING)
-
-    def outcomes(verifier_cls, n=400, seed0=0):
-        engine = make_engine(tiny_backend(model, exit_layer=1), OracleTreeDrafter(PROMPT + [0, 1, 2], VOCAB),
-                             DynamicTree(budget=6, topk=2, depth=2), max_new_tokens=TOKENS, sampling=SAMPLING)
-        engine.verifier = verifier_cls(SAMPLING)
-        out, accepted = [], 0
-        for seed in range(seed0, seed0 + n):
-            engine.config = engine.config.replace(sampling=SAMPLING.replace(seed=seed))
-            result = engine.generate_ids(PROMPT, TOKENS)
-            ids = result.token_ids
-            out.append((ids[0] * VOCAB + ids[1]) * VOCAB + ids[2])
-            accepted += sum(r.accepted for r in result.rounds)
-        return out, accepted
-
-    samples, accepted = outcomes(SpeculativeVerifier)
+    samples, accepted = sampled_outcomes(tiny_backend(model, exit_layer=1), SpeculativeVerifier)
     assert accepted > 50
     statistic, critical = chi_square(samples, target)
     assert statistic < critical, (statistic, critical)
-
-    class NoRenormalisation(SpeculativeVerifier):  # accepts each candidate with its original p: not lossless
-        def verify_tree(self, tree, target_logits):
-            from kangaroo_core.sampling import draw, target_probs, uniform
-
-            p = target_probs(target_logits, self.sampling)
-            row, path = 0, []
-            while True:
-                nxt = next((c for c in tree.children[row] if uniform(self.generator) < float(p[row, tree.tokens[c]])),
-                           None)
-                if nxt is None:
-                    return Verdict([r - 1 for r in path], draw(p[row], self.generator))
-                path.append(nxt)
-                row = nxt
-
-    wrong, _ = outcomes(NoRenormalisation, seed0=5000)
+    wrong, _ = sampled_outcomes(tiny_backend(model, exit_layer=1), NoRenormalisation, seed0=5000)
     assert chi_square(wrong, target)[0] > critical  # the test has the power to see a wrong rule
 
 
@@ -523,6 +527,31 @@ def test_onnx_tree_rounds_are_identical_to_transformers(onnx_root, family, seed,
     set_eos(model, None)
     assert result.token_ids == reference
     assert all(r.drafted <= budget and r.accepted <= min(depth, r.drafted) for r in result.rounds)
+
+
+@needs_ort
+def test_onnx_tree_sampling_follows_the_target_distribution(tmp_path, one_torch_thread):
+    """Sampled tree rounds on onnxruntime: the first three tokens pass chi-square against the exact target
+    distribution, and the wrong rule is caught on the same backend."""
+    from kangaroo_backends.onnx_backend import OnnxBackend
+    from kangaroo_backends.onnx_export import export_onnx
+    from kangaroo_core.testing import TinyTokenizer
+    from test_sampling_distribution import SAMPLING, VOCAB, chi_square, exact_distribution
+
+    model = tiny_llama(2, vocab=VOCAB, hidden=16, layers=3, heads=4, kv_heads=2, dtype=torch.float32)
+    export_onnx(model, tmp_path / "bundle", exit_layer=1, quiet=True)
+
+    def backend():
+        return OnnxBackend(model, TinyTokenizer(VOCAB, model.generation_config.eos_token_id), 1,
+                           bundle=tmp_path / "bundle", threads=1, quiet=True)
+
+    target = exact_distribution(model, SAMPLING)
+    samples, accepted = sampled_outcomes(backend(), SpeculativeVerifier)
+    assert accepted > 50
+    statistic, critical = chi_square(samples, target)
+    assert statistic < critical, (statistic, critical)
+    wrong, _ = sampled_outcomes(backend(), NoRenormalisation, seed0=5000)
+    assert chi_square(wrong, target)[0] > critical
 
 
 @needs_ort
