@@ -81,6 +81,12 @@ class _DeepContext:
         self.deep[start:start + deep.shape[0]] = deep
         self.known = start + deep.shape[0]
 
+    def keep(self, positions: list[int]) -> None:
+        """Keep the layer-l states of these slots (ascending), compacted to the front (a tree round's accepted path;
+        the deep states are only ever known for committed positions, which stay where they are)."""
+        index = torch.as_tensor(positions, dtype=torch.long, device=self.hidden.device)
+        self.hidden[: len(positions)] = self.hidden.index_select(0, index)
+
     def known_mask(self, start: int, n: int) -> torch.Tensor:
         """[n, 1]: 1.0 where position start+i has a deep state."""
         index = torch.arange(start, start + n, device=self.hidden.device)
@@ -154,8 +160,7 @@ class DeepContextTorchRunner(TorchAdapterRunner):
     def keep(self, positions) -> None:
         """Keep these slots of the cache and of the remembered layer-l states (the accepted tree path)."""
         positions = list(positions)
-        index = torch.as_tensor(positions, dtype=torch.long, device=self.context.hidden.device)
-        self.context.hidden[: len(positions)] = self.context.hidden.index_select(0, index)
+        self.context.keep(positions)
         self.cache.keep(positions)
 
     @torch.inference_mode()
@@ -264,8 +269,7 @@ class DeepContextOnnxRunner(OnnxAdapterRunner):
     def keep(self, positions) -> None:
         """Keep these slots of the cache and of the remembered layer-l states (the accepted tree path)."""
         positions = list(positions)
-        index = torch.as_tensor(positions, dtype=torch.long, device=self.context.hidden.device)
-        self.context.hidden[: len(positions)] = self.context.hidden.index_select(0, index)
+        self.context.keep(positions)
         self.graph.keep(positions)
 
     def observe_deep(self, start: int, deep: torch.Tensor) -> None:
