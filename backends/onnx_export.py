@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from kangaroo_backends.families import FULL, SLIDING, family_of, layer_kinds, rotary_embeddings, sliding_window
+from kangaroo_backends.kv_cache import causal_mask
 from kangaroo_core.errors import MissingDependencyError, OnnxExportError
 
 MANIFEST = "manifest.json"
@@ -88,11 +89,8 @@ def attention_bias(n: int, past: int, window: int | None = None, tree=None, devi
     sliding layer: a query at position p reads keys at positions > p - ``window``), or ``tree``'s visibility."""
     if tree is not None:
         return tree.additive_mask(past + n, torch.float32, device, window=window)
-    blocked = torch.ones(n, past + n, dtype=torch.bool, device=device).triu(past + 1)
-    if window is not None:
-        blocked |= torch.ones(n, past + n, dtype=torch.bool, device=device).tril(past - window)
-    bias = torch.zeros(n, past + n, device=device).masked_fill_(blocked, torch.finfo(torch.float32).min)
-    return bias[None, None]
+    mask = causal_mask(n, past, torch.float32, device, window=window)  # the torch backend's own mask
+    return torch.zeros(1, 1, n, past + n, device=device) if mask is None else mask  # None: one row sees every key
 
 
 class Attention(nn.Module):
