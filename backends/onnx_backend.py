@@ -1,7 +1,7 @@
 """ONNX Runtime backend: the split target (shallow.onnx, deep.onnx, head.onnx) on InferenceSessions.
 
 The graphs come from :mod:`kangaroo_backends.onnx_export`; without a ``bundle`` option they are exported on first use
-into ``cache_dir()/onnx/v<format>/<fingerprint>-l<exit layer>`` (once; atomically, so a failed export leaves nothing
+into ``cache_dir()/onnx/v<format>.<graph revision>/<fingerprint>-l<exit layer>`` (once; atomically, so a failed export leaves nothing
 behind). Drafters that run their own network here export it themselves into :meth:`OnnxBackend.artifact_dir` and run
 it with :meth:`OnnxBackend.open_graph` (same provider, threads and in-place KV buffers as the backend's graphs).
 
@@ -32,8 +32,8 @@ import torch
 
 from kangaroo_backends.loading import cache_dir, gguf_source, load_model
 from kangaroo_backends.families import SLIDING, sliding_window
-from kangaroo_backends.onnx_export import (BIAS_INPUTS, FORMAT, FORMAT_VERSION, GRAPHS, MANIFEST, WEIGHTS,
-                                           attention_bias, export_onnx, graph_io, import_onnxruntime)
+from kangaroo_backends.onnx_export import (BIAS_INPUTS, EXPORT_KEY, FORMAT, FORMAT_VERSION, GRAPHS, MANIFEST,
+                                           WEIGHTS, attention_bias, export_onnx, graph_io, import_onnxruntime)
 from kangaroo_backends.torch_eager import check_start, describe_split_model
 from kangaroo_core.config import ConfigError, DecodeConfig
 from kangaroo_core.errors import OnnxModelError, ProviderError
@@ -316,7 +316,7 @@ class OnnxBackend(Backend):
         if self.bundle is not None:
             return self.bundle
         suffix = "" if self.weights == "float32" else f"-gguf-a{self.accuracy_level}"
-        return cache_dir() / "onnx" / f"v{FORMAT_VERSION}" / f"{self.fingerprint}-l{self.exit_layer}{suffix}"
+        return cache_dir() / "onnx" / EXPORT_KEY / f"{self.fingerprint}-l{self.exit_layer}{suffix}"
 
     def artifact_dir(self) -> Path:
         """Where drafters keep their own exported graphs for this backend: inside the export (one directory to ship)."""

@@ -54,6 +54,12 @@ from kangaroo_core.errors import MissingDependencyError, OnnxExportError
 MANIFEST = "manifest.json"
 FORMAT = "kangaroo-onnx"
 FORMAT_VERSION = 3
+#: how the graphs are written inside an unchanged interface (2: the lean attention of :class:`Attention`); recorded in
+#: the manifest and part of the export cache's key, so a cached export of an older revision is re-exported, while a
+#: bundle of an older revision still loads (same inputs and outputs, only slower)
+GRAPH_REVISION = 2
+#: the export cache's directory name under ``onnx/``
+EXPORT_KEY = f"v{FORMAT_VERSION}.{GRAPH_REVISION}"
 DEFAULT_OPSET = 17
 #: accepted max |onnx - eager| relative to max(1, max |eager|) per output
 DEFAULT_TOLERANCE = 1e-4
@@ -84,6 +90,16 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rotated * sin
 
 
+def rotate_half_matrix(head_dim: int) -> torch.Tensor:
+    """R with x @ R == rotate_half(x) == cat(-x[half:], x[:half]) exactly (one ±1 per column, zeros elsewhere): one
+    MatMul node in the graph instead of split, negate and concatenate."""
+    half = head_dim // 2
+    rotate = torch.zeros(head_dim, head_dim)
+    rotate[torch.arange(half, head_dim), torch.arange(half)] = -1.0  # column j < half takes -x[j + half]
+    rotate[torch.arange(half), torch.arange(half, head_dim)] = 1.0  # column j >= half takes x[j - half]
+    return rotate
+
+
 def attention_bias(n: int, past: int, window: int | None = None, tree=None, device=None) -> torch.Tensor:
     """The additive bias [1, 1, n, past+n] of n new rows after ``past`` cached slots: causal (windowed for a
     sliding layer: a query at position p reads keys at positions > p - ``window``), or ``tree``'s visibility."""
@@ -96,7 +112,13 @@ def attention_bias(n: int, past: int, window: int | None = None, tree=None, devi
 class Attention(nn.Module):
     """A decoder attention (any family: the module's own projections, ``q_norm``/``k_norm`` where it has them, its
     ``scaling``) with explicit KV in/out ([1, seq, kvh, hd]) and an additive ``bias`` [1, 1, n, T] (causal or a
-    token tree's, windowed for a sliding layer: see :func:`attention_bias`)."""
+    token tree's, windowed for a sliding layer: see :func:`attention_bias`).
+
+    Written for a lean graph (revision 2, measured: onnxruntime spends a few microseconds per node whatever it
+    computes): batch 1 and the head sizes are Python constants, so no reshape asks the graph for a shape, and the
+    ``rep`` query heads that share a KV head are stacked along the query axis ([1, kvh, rep*n, hd]) so the keys and
+    values are used as they are, never expanded ``rep`` times. Each score is the same dot product as before.
+    """
 
     def __init__(self, attn: nn.Module, config):
         super().__init__()
@@ -104,28 +126,34 @@ class Attention(nn.Module):
         self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)  # Qwen3, Gemma 3
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
+        self.rep = self.heads // self.kv_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.scaling = float(getattr(attn, "scaling", self.head_dim ** -0.5))
+        self.register_buffer("rotate_half", rotate_half_matrix(self.head_dim), persistent=False)
 
-    def forward(self, x, cos, sin, bias, past_key, past_value):
-        b, n, _ = x.shape
-        q = self.q_proj(x).view(b, n, self.heads, self.head_dim).transpose(1, 2)  # [1, H, n, hd]
-        k_new = self.k_proj(x).view(b, n, self.kv_heads, self.head_dim)  # [1, n, kvh, hd]
-        v_new = self.v_proj(x).view(b, n, self.kv_heads, self.head_dim)
-        if self.q_norm is not None:  # per-head RMSNorm before RoPE
+    def grouped_bias(self, bias: torch.Tensor) -> torch.Tensor:
+        """[1, 1, n, T] → [1, 1, rep*n, T]: row g*n + i is query i's (the stacked query order); a graph with many
+        layers tiles each bias once and passes ``grouped=True``."""
+        return bias.repeat(1, 1, self.rep, 1) if self.rep > 1 else bias
+
+    def forward(self, x, cos, sin, bias, past_key, past_value, grouped: bool = False):
+        heads, kv_heads, rep, hd = self.heads, self.kv_heads, self.rep, self.head_dim
+        q = self.q_proj(x).view(1, -1, heads, hd)  # [1, n, H, hd]
+        k_new = self.k_proj(x).view(1, -1, kv_heads, hd)  # [1, n, kvh, hd]
+        v_new = self.v_proj(x).view(1, -1, kv_heads, hd)
+        if self.q_norm is not None:  # per-head RMSNorm (over hd) before RoPE
             q, k_new = self.q_norm(q), self.k_norm(k_new)
-        q = _rope(q, cos[:, None], sin[:, None])
-        k_new = _rope(k_new, cos[:, :, None], sin[:, :, None])
-        k = torch.cat([past_key, k_new], dim=1).transpose(1, 2)  # [1, kvh, T, hd]
-        v = torch.cat([past_value, v_new], dim=1).transpose(1, 2)
-        rep = self.heads // self.kv_heads
-        if rep > 1:
-            t = k.shape[2]
-            k = k[:, :, None].expand(b, self.kv_heads, rep, t, self.head_dim).reshape(b, self.heads, t, self.head_dim)
-            v = v[:, :, None].expand(b, self.kv_heads, rep, t, self.head_dim).reshape(b, self.heads, t, self.head_dim)
-        scores = torch.matmul(q, k.transpose(2, 3)) * self.scaling + bias  # [1, H, n, T]
-        probs = torch.softmax(scores, dim=-1)
-        out = torch.matmul(probs, v).transpose(1, 2).reshape(b, n, self.heads * self.head_dim)
+        cos, sin = cos[:, :, None], sin[:, :, None]  # [1, n, 1, hd]
+        q = q * cos + torch.matmul(q, self.rotate_half) * sin  # RoPE
+        k_new = k_new * cos + torch.matmul(k_new, self.rotate_half) * sin
+        k = torch.cat([past_key, k_new], dim=1)  # [1, T, kvh, hd]
+        v = torch.cat([past_value, v_new], dim=1)
+        # head h = kv*rep + g (transformers' repeat_kv order) → [1, kvh, rep, n, hd] → [1, kvh, rep*n, hd]
+        q = q.view(1, -1, kv_heads, rep, hd).permute(0, 2, 3, 1, 4).reshape(1, kv_heads, -1, hd)
+        scores = torch.matmul(q, k.permute(0, 2, 3, 1)) * self.scaling  # [1, kvh, rep*n, T]
+        probs = torch.softmax(scores + (bias if grouped else self.grouped_bias(bias)), dim=-1)
+        out = torch.matmul(probs, v.transpose(1, 2))  # [1, kvh, rep*n, hd]
+        out = out.view(1, kv_heads, rep, -1, hd).permute(0, 3, 1, 2, 4).reshape(1, -1, heads * hd)
         return self.o_proj(out), k_new, v_new
 
 
@@ -165,13 +193,15 @@ class _Layers(nn.Module):
 
     def run(self, hidden, position_ids, rest):
         """``rest``: the graph's bias inputs (:attr:`bias_kinds` order), then the past keys/values."""
-        biases = dict(zip(self.bias_kinds, rest))
+        grouped = self.attns[0].grouped_bias if len(self.attns) else (lambda bias: bias)
+        biases = {kind: grouped(bias) for kind, bias in zip(self.bias_kinds, rest)}  # tiled once, not per layer
         past = rest[len(self.bias_kinds):]
         rope = {kind: rotary(position_ids) for kind, rotary in self.rotaries.items()}
         new = []
         for i, attn in enumerate(self.attns):
             cos, sin = rope[self.kinds[i]]
-            attended, k, v = attn(self.norms1[i](hidden), cos, sin, biases[self.kinds[i]], past[2 * i], past[2 * i + 1])
+            attended, k, v = attn(self.norms1[i](hidden), cos, sin, biases[self.kinds[i]], past[2 * i], past[2 * i + 1],
+                                 grouped=True)
             if self.sandwich:
                 attended = self.post_attn[i](attended)
             hidden = hidden + attended
@@ -476,6 +506,7 @@ def export_onnx(model, out_dir: str | os.PathLike, *, exit_layer: int, fingerpri
         manifest = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
+            "graph_revision": GRAPH_REVISION,
             "opset": opset,
             "dtype": "float32",
             "weights": weights if nbits is None else {"format": "gguf-matmulnbits", "gguf_file": Path(gguf_path).name,

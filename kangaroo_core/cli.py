@@ -514,7 +514,8 @@ def corpus() -> None:
 @click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Answer length (token budget).")
 @click.option("--heldout-prompts", type=int, default=64, show_default=True, help="Prompts held out for evaluation.")
 @click.option("--shard-size", type=int, default=64, show_default=True, help="Prompts per shard (one atomic file).")
-@click.option("--batch-size", type=int, default=16, show_default=True, help="Batched generation of training shards.")
+@click.option("--batch-size", type=int, default=8, show_default=True,
+              help="Batched generation of training shards (8 measured fastest on 2 CPU cores).")
 @click.option("--max-shards", type=int, default=None, help="Stop after this many new training shards.")
 @click.option("--minutes", type=float, default=None, help="Stop starting new shards after this many minutes.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")

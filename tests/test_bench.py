@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kangaroo_backends.onnx_export import FORMAT_VERSION
+from kangaroo_backends.onnx_export import EXPORT_KEY, FORMAT_VERSION
 from kangaroo_core import plugins
 from kangaroo_core.bench.api import BenchMethod, MethodResult
 from kangaroo_core.bench.harness import METRIC_KEYS, metrics, rotate
@@ -177,7 +177,7 @@ def test_onnx_methods_export_once_into_the_cache(smoke):
     out, results = smoke
     cache = out.parent / "cache"
     assert (next((cache / "ort").iterdir()) / "model.onnx").is_file()  # optimum's export for ort_vanilla
-    exports = [d for d in (cache / "onnx" / f"v{FORMAT_VERSION}").iterdir() if (d / "manifest.json").is_file()]  # our split graphs
+    exports = [d for d in (cache / "onnx" / EXPORT_KEY).iterdir() if (d / "manifest.json").is_file()]  # our split graphs
     assert len(exports) == 1
     assert list((exports[0] / "drafters" / "kangaroo").glob("*/adapter.onnx"))  # the drafter's graph beside them
     assert results["methods"]["ort_vanilla"]["overall"]["mean_accepted_tokens"] is None  # no layers to count

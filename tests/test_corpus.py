@@ -158,3 +158,36 @@ def test_train_a_deep_context_adapter_with_a_draft_head_from_the_cli(tmp_path, p
     assert main(["generate", "hello", "--model", str(tiny_model_dir), "--adapter", str(out), "--max-new-tokens", "8",
                  "--json", "--compare"]) == 0
     assert json.loads(capsys.readouterr().out)["identical_to_vanilla"] is True
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_the_preallocated_cache_answers_exactly_as_transformers_default_cache(family):
+    """The generator's in-place cache changes where keys/values live, not what attention computes: batched answers
+    (left padding, prompts of several lengths, EOS inside some answers, Gemma's sliding layers keeping their own
+    cache layer) equal those of transformers' own growing cache, token for token."""
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    from kangaroo_core.testing import tiny_model
+
+    model = tiny_model(family, seed=3, eos_token_id=5)
+    prompts = [[1, 2, 3], [4, 9, 12, 7, 30, 2, 2, 8, 41, 3], [17], [6, 6, 6, 6, 6, 6, 6, 60]]
+    eos = frozenset({5})
+    growing = corpus_module.DynamicCache
+
+    answers = corpus_module.batched_greedy_answers(model, prompts, 12, eos, batch_size=3)
+    kinds = {type(layer) for layer in corpus_module.preallocated_cache(model.config, 20).layers}
+    assert corpus_module._PreallocatedLayer in kinds
+    assert (DynamicSlidingWindowLayer in kinds) == (family == "gemma3") and DynamicLayer not in kinds
+
+    def default_cache(config, capacity):
+        return growing(config=config)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(corpus_module, "preallocated_cache", default_cache)
+        reference = corpus_module.batched_greedy_answers(model, prompts, 12, eos, batch_size=3)
+    assert answers == reference
+    assert all(len(a) == 12 or a[-1] == 5 for a in answers)  # cut after the first EOS, else the whole budget
+    layer = corpus_module._PreallocatedLayer(4)
+    layer.update(torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2))
+    with pytest.raises(CorpusError, match="ran past its preallocated cache"):
+        layer.update(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2))

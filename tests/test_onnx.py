@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from kangaroo_backends.onnx_export import FORMAT_VERSION
+from kangaroo_backends.onnx_export import EXPORT_KEY, FORMAT_VERSION
 from kangaroo_core.cli import main
 from kangaroo_core.config import DecodeConfig
 from kangaroo_core.engine import Engine
@@ -90,6 +90,36 @@ def test_export_writes_a_validated_manifest(bundles):
         check = graph["validation"]
         assert 0 <= check["max_abs_diff"] < 1e-4, (name, check)
         assert check["max_abs_diff"] <= check["tolerance"]
+
+
+@needs_ort
+def test_the_graphs_are_lean_no_shape_arithmetic_and_no_repeated_keys(bundles):
+    """Revision 2 of the graphs (measured: onnxruntime pays microseconds per node): no node asks for a shape, the
+    keys/values are never expanded per query head, RoPE's rotate-half is one MatMul, every bias is tiled once per
+    graph, and the manifest records the revision the export cache is keyed by."""
+    import onnx
+
+    from kangaroo_backends.onnx_export import GRAPH_REVISION
+
+    directory = bundles(1, 1)
+    assert json.loads((directory / "manifest.json").read_text())["graph_revision"] == GRAPH_REVISION == 2
+    assert EXPORT_KEY == f"v{FORMAT_VERSION}.{GRAPH_REVISION}"
+    for name, layers in (("shallow", 1), ("deep", 2)):  # 4 query heads share 2 KV heads
+        ops = [node.op_type for node in onnx.load(directory / f"{name}.onnx").graph.node]
+        assert not {"Shape", "Neg", "Where"} & set(ops), (name, sorted(set(ops)))
+        assert ops.count("Gather") == (name == "shallow")  # the embedding lookup only
+        assert (ops.count("Softmax"), ops.count("Tile"), ops.count("Expand")) == (layers, 1, 1), (name, ops)  # the bias
+
+
+def test_rotate_half_as_a_matrix_is_exact():
+    from kangaroo_backends.onnx_export import _rope, rotate_half_matrix
+
+    torch.manual_seed(0)
+    for head_dim in (8, 64, 256):
+        x, cos, sin = torch.randn(2, 5, 3, head_dim), torch.randn(5, 1, head_dim), torch.randn(5, 1, head_dim)
+        rotated = x @ rotate_half_matrix(head_dim)
+        assert torch.equal(rotated, torch.cat((-x[..., head_dim // 2:], x[..., : head_dim // 2]), dim=-1))
+        assert torch.equal(x * cos + rotated * sin, _rope(x, cos, sin))
 
 
 @needs_ort
@@ -190,7 +220,7 @@ def test_trained_adapter_is_exported_with_the_backend_and_drafts_the_same(tmp_pa
         assert calls == [path]  # the adapter is hashed when a drafter binds: never per generation or token
     assert got.token_ids == want.token_ids
     assert [(r.drafted, r.accepted) for r in got.rounds] == [(r.drafted, r.accepted) for r in want.rounds]
-    (export,) = (tmp_path / "cache" / "onnx" / f"v{FORMAT_VERSION}").iterdir()
+    (export,) = (tmp_path / "cache" / "onnx" / EXPORT_KEY).iterdir()
     (graph,) = (export / "drafters" / "kangaroo").iterdir()  # the drafter's graph lives inside the backend's export
     assert graph.name == f"l1-{real_key(path)}" and (graph / "adapter.onnx").is_file()
     with pytest.raises(AdapterMismatchError):
@@ -266,7 +296,7 @@ def test_failed_first_use_export_leaves_no_cache(tmp_path, monkeypatch, one_torc
     monkeypatch.setattr(oe, "validate_outputs", lambda *a, **k: {"max_abs_diff": 1.0, "max_abs_reference": 1.0})
     with pytest.raises(OnnxExportError, match="export refused"):
         onnx_backend(1, 1, None).reset()
-    assert list((tmp_path / "onnx" / f"v{FORMAT_VERSION}").iterdir()) == []
+    assert list((tmp_path / "onnx" / EXPORT_KEY).iterdir()) == []
 
 
 def test_missing_onnxruntime_gives_the_install_hint(monkeypatch, tiny_model_dir, capsys):
@@ -297,7 +327,7 @@ def test_cli_generate_backend_onnx_exports_once_and_matches_torch(tiny_model_dir
     assert "exporting" not in err and json.loads(out)["token_ids"] == first["token_ids"]
     assert main(args) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == first["token_ids"]
-    (export,) = (tmp_path / "onnx" / f"v{FORMAT_VERSION}").iterdir()
+    (export,) = (tmp_path / "onnx" / EXPORT_KEY).iterdir()
     assert export.name.endswith("-l1")
     assert [p.name for p in (export / "drafters" / "kangaroo").iterdir()] == ["l1-untrained"]
 

@@ -42,6 +42,7 @@ import attrs
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from kangaroo_core.errors import KangarooError
 from kangaroo_core.files import read_json
@@ -243,11 +244,54 @@ def read_shard(path: Path) -> list[Record]:
 
 
 # -- generation ------------------------------------------------------------------------------------------------------
+class _PreallocatedLayer(DynamicLayer):
+    """transformers' full-attention cache layer over one buffer sized for the whole answer.
+
+    ``DynamicLayer`` concatenates the past with every new token (a copy of the whole past per layer and step); this
+    writes the new keys/values into place and hands attention a view of the filled part, the same values in the same
+    order, so the answers are unchanged (a few per cent more tokens/s at batch 8 on SmolLM2, docs/training.md).
+    """
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+
+    def lazy_initialization(self, key_states: torch.Tensor) -> None:
+        batch, heads, _, dim = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self._keys = key_states.new_empty(batch, heads, self.capacity, dim)
+        self._values = key_states.new_empty(batch, heads, self.capacity, dim)
+        self.keys, self.values = self._keys[:, :, :0], self._values[:, :, :0]
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, cache_kwargs=None):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states)
+        start, end = self.keys.shape[-2], self.keys.shape[-2] + key_states.shape[-2]
+        if end > self.capacity:
+            raise CorpusError(f"generation ran past its preallocated cache ({end} > {self.capacity} positions)")
+        self._keys[:, :, start:end] = key_states
+        self._values[:, :, start:end] = value_states
+        self.keys, self.values = self._keys[:, :, :end], self._values[:, :, :end]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.keys.shape[-2] if self.is_initialized else 0
+
+
+def preallocated_cache(config, capacity: int) -> DynamicCache:
+    """transformers' default cache for ``config`` with every full-attention layer preallocated for ``capacity``
+    positions (sliding-window layers keep transformers' own layer, which trims itself)."""
+    cache = DynamicCache(config=config)
+    cache.layers = [_PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
 @torch.inference_mode()
 def batched_greedy_answers(model, prompt_ids: Sequence[list[int]], max_new_tokens: int, eos_ids: frozenset[int],
                            batch_size: int) -> list[list[int]]:
-    """Greedy answers with transformers' batched ``generate`` (left padding); prompts of similar length are batched
-    together so little is padded. Each answer is cut after its first EOS."""
+    """Greedy answers with transformers' batched ``generate`` (left padding, a preallocated cache); prompts of
+    similar length are batched together so little is padded. Each answer is cut after its first EOS."""
     pad = min(eos_ids) if eos_ids else 0
     order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
     answers: dict[int, list[int]] = {}
@@ -262,7 +306,8 @@ def batched_greedy_answers(model, prompt_ids: Sequence[list[int]], max_new_token
             mask[r, width - len(seq):] = 1
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                              temperature=None, top_p=None, top_k=None, pad_token_id=pad,
-                             eos_token_id=sorted(eos_ids) or None)
+                             eos_token_id=sorted(eos_ids) or None,
+                             past_key_values=preallocated_cache(model.config, width + max_new_tokens))
         for r, i in enumerate(rows):
             row = out[r, width:].tolist()
             cut = next((j + 1 for j, t in enumerate(row) if t in eos_ids), len(row))
@@ -276,7 +321,7 @@ def engine_greedy_answers(engine, prompt_ids: Sequence[list[int]], max_new_token
 
 
 def build(corpus: Corpus, engine, prompts_file: str | Path, settings: CorpusSettings = CorpusSettings(), *,
-          max_train_shards: int | None = None, batch_size: int = 16, deadline: float | None = None,
+          max_train_shards: int | None = None, batch_size: int = 8, deadline: float | None = None,
           progress: bool = True, log=print, splits: Sequence[str] = SPLITS) -> dict:
     """Fill the corpus' missing shards (held-out first), in plan order; returns :meth:`Corpus.summary`.
 
@@ -318,7 +363,7 @@ def build(corpus: Corpus, engine, prompts_file: str | Path, settings: CorpusSett
         corpus._record_shard(manifest, name, {
             "prompts": len(records), "prompt_tokens": sum(len(p) for p in prompt_ids), "answer_tokens": answer_tokens,
             "seconds": round(seconds, 2), "answer_tokens_per_second": round(answer_tokens / seconds, 2),
-            "generator": "engine" if split == "heldout" else f"hf-generate-batch{batch_size}",
+            "generator": "engine" if split == "heldout" else f"hf-generate-batch{batch_size}-preallocated",
             "threads": torch.get_num_threads(),
         })
         bar.update(1)
