@@ -161,13 +161,48 @@ def _digest(array: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(array, dtype=np.float32).tobytes()).hexdigest()
 
 
-def quantize_graph(path: str | Path, model, weights: dict[str, NBitsWeight], *, accuracy_level: int = 0) -> dict:
+#: how a rewritten graph multiplies several rows (recorded in the manifest; bundles without it are refused for drafting)
+ROWS = "one MatMulNBits call per row (Scan); the prefill in its own graph"
+
+
+def row_by_row(helper, inputs: list[str], attributes: dict, y: str, stem: str, k: int, n: int) -> list:
+    """Nodes computing ``y`` [1, r, N] = MatMulNBits(``inputs``) for each row of ``inputs[0]`` [1, r, K] on its own
+    (a ``Scan`` over the rows; the weights stay outer-scope initializers, packed once).
+
+    Why: onnxruntime's MatMulNBits takes another kernel for two or more rows (it dequantizes, then runs a GEMM) whose
+    results differ from the one-row kernel's in the last bits (measured: ~5e-7 relative at accuracy level 1; a
+    one-row product at the top of a graph and inside a ``Scan`` differ too). A verify pass must reproduce the target
+    alone's one-token passes bit for bit, so both run this graph. Cost: r one-row products instead of one r-row
+    product (the weights are streamed r times), which is why the prefill runs a graph of its own
+    (``<name>.prefill.onnx``: the same pass for the target alone and for every drafter). Measured, and not used:
+    choosing between the two inside one graph (``If``) kept onnxruntime from packing the weights (20x slower).
+    """
+    from onnx import TensorProto
+
+    x, weights = inputs[0], inputs[1:]
+    body = helper.make_graph(
+        [helper.make_node("Unsqueeze", [f"{stem}.row", f"{stem}.axis0"], [f"{stem}.row2"]),
+         helper.make_node("MatMulNBits", [f"{stem}.row2", *weights], [f"{stem}.y2"], name=f"{stem}.nbits",
+                          domain="com.microsoft", **attributes),
+         helper.make_node("Squeeze", [f"{stem}.y2", f"{stem}.axis0"], [f"{stem}.y1"])],
+        f"{stem}.per_row",
+        [helper.make_tensor_value_info(f"{stem}.row", TensorProto.FLOAT, [k])],
+        [helper.make_tensor_value_info(f"{stem}.y1", TensorProto.FLOAT, [n])])
+    return [helper.make_node("Squeeze", [x, f"{stem}.axis0"], [f"{stem}.rows"]),  # [1, r, K] -> [r, K]
+            helper.make_node("Scan", [f"{stem}.rows"], [f"{stem}.ys"], body=body, num_scan_inputs=1),
+            helper.make_node("Unsqueeze", [f"{stem}.ys", f"{stem}.axis0"], [y])]
+
+
+def quantize_graph(path: str | Path, model, weights: dict[str, NBitsWeight], *, accuracy_level: int = 0,
+                   rows_one_by_one: bool = True) -> dict:
     """Replace, in the ONNX file at ``path``, every ``MatMul`` by a float32 weight of ``model`` that ``weights`` holds
     with ``MatMulNBits`` over that weight's GGUF blocks; returns ``{"replaced": n, "types": {gguf type: n}}``.
 
     Weights are recognised by value (torch exports ``x @ W^T`` with the transposed weight as an initializer), so the
     rewrite needs no knowledge of the exporter's initializer names. ``accuracy_level`` 0 computes in float32 (the
     file's weights, float32 activations); 4 quantizes activations to int8 per block (faster, lossy).
+    ``rows_one_by_one`` computes every product row by row (:func:`row_by_row`), so a pass over n positions reproduces
+    n one-position passes; without it (the prefill graph) the rows are multiplied at once.
     """
     import onnx
     from onnx import helper, numpy_helper
@@ -199,9 +234,13 @@ def quantize_graph(path: str | Path, model, weights: dict[str, NBitsWeight], *, 
             new_inits.append(numpy_helper.from_array(weight.zero_points, f"{stem}.zero_points"))
             inputs.append(f"{stem}.zero_points")
         product = list(node.output) if weight.mins is None else [f"{stem}.scaled"]
-        nodes.append(helper.make_node("MatMulNBits", inputs, product, name=f"{stem}.nbits",
-                                      domain="com.microsoft", K=weight.k, N=weight.n, bits=weight.bits,
-                                      block_size=BLOCK, accuracy_level=int(accuracy_level)))
+        attributes = dict(K=weight.k, N=weight.n, bits=weight.bits, block_size=BLOCK, accuracy_level=int(accuracy_level))
+        if rows_one_by_one:
+            new_inits.append(numpy_helper.from_array(np.array([0], dtype=np.int64), f"{stem}.axis0"))
+            nodes += row_by_row(helper, inputs, attributes, product[0], stem, weight.k, weight.n)
+        else:
+            nodes.append(helper.make_node("MatMulNBits", inputs, product, name=f"{stem}.nbits", domain="com.microsoft",
+                                          **attributes))
         if weight.mins is not None:  # + m · (sum of x over each block): [1, n, K] -> [1, n, K/32] @ [K/32, N]
             new_inits += [numpy_helper.from_array(np.array([0, 0, weight.blocks, BLOCK], dtype=np.int64), f"{stem}.split"),
                           numpy_helper.from_array(np.array([-1], dtype=np.int64), f"{stem}.last"),
@@ -220,4 +259,4 @@ def quantize_graph(path: str | Path, model, weights: dict[str, NBitsWeight], *, 
     if not any(op.domain == "com.microsoft" for op in proto.opset_import):
         proto.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     onnx.save(proto, str(path))
-    return {"replaced": sum(counts.values()), "types": counts}
+    return {"replaced": sum(counts.values()), "types": counts, "rows_one_by_one": rows_one_by_one}

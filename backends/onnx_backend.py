@@ -33,7 +33,7 @@ import torch
 from kangaroo_backends.loading import cache_dir, gguf_source, load_model
 from kangaroo_backends.families import SLIDING, sliding_window
 from kangaroo_backends.onnx_export import (BIAS_INPUTS, EXPORT_KEY, FORMAT, FORMAT_VERSION, GRAPHS, MANIFEST,
-                                           WEIGHTS, attention_bias, export_onnx, graph_io, import_onnxruntime)
+                                           NBITS_ROWS, WEIGHTS, attention_bias, export_onnx, graph_io, import_onnxruntime)
 from kangaroo_backends.torch_eager import check_start, describe_split_model
 from kangaroo_core.config import ConfigError, DecodeConfig
 from kangaroo_core.errors import OnnxModelError, ProviderError
@@ -64,14 +64,20 @@ MANIFEST_TYPES = {"base_model_fingerprint": str, "exit_layer": int, "num_layers"
                   "graphs": dict}
 
 
-def graph_file(directory: Path, manifest: dict, name: str, manifest_path: Path) -> Path:
-    """The file of graph ``name`` named by the manifest, which must stay inside the export's directory."""
+def graph_file(directory: Path, manifest: dict, name: str, manifest_path: Path, key: str = "file",
+               optional: bool = False) -> Path | None:
+    """The file of graph ``name`` named by the manifest (``key``: ``file``, or ``prefill_file`` — a 4-bit export's
+    prefill graph, ``None`` when absent and ``optional``), which must stay inside the export's directory."""
     entry = manifest["graphs"].get(name)
-    if not isinstance(entry, dict) or not isinstance(entry.get("file"), str):
+    if optional and isinstance(entry, dict) and key not in entry:
+        return None
+    if not isinstance(entry, dict) or not isinstance(entry.get(key), str):
         raise OnnxModelError(f"{manifest_path} lists no {name} graph")
-    path = (directory / entry["file"]).resolve()
+    path = (directory / entry[key]).resolve()
     if path.parent != directory.resolve():
-        raise OnnxModelError(f"{manifest_path}: the {name} graph's file {entry['file']!r} is outside {directory}")
+        raise OnnxModelError(f"{manifest_path}: the {name} graph's file {entry[key]!r} is outside {directory}")
+    if not path.is_file() and optional:
+        raise OnnxModelError(f"{manifest_path}: the {name} graph's file {entry[key]!r} is missing; re-export")
     return path
 
 
@@ -108,6 +114,13 @@ def export_weights(manifest: dict) -> tuple[str, int]:
     return "float32", 0
 
 
+def rows_exact(manifest: dict) -> bool:
+    """Whether a pass over n positions reproduces n one-position passes bit for bit: float32 MatMuls always do
+    (measured, every n); 4-bit ones only when exported row by row (graph revision 3 on)."""
+    weights = manifest.get("weights", "float32")
+    return not isinstance(weights, dict) or weights.get("rows") == NBITS_ROWS
+
+
 def _file_opset(path: Path, manifest: dict):
     """The default-domain opset stamped in the file (the manifest's when the onnx package is not installed)."""
     try:
@@ -128,8 +141,9 @@ class GraphRunner:
     """
 
     def __init__(self, session, inputs: list[str], outputs: list[str], kv_layers: int, kv_shape: tuple[int, int],
-                 max_positions: int, device: torch.device, window: int | None = None):
+                 max_positions: int, device: torch.device, window: int | None = None, prefill_session=None):
         self.session, self.device = session, device
+        self.prefill_session = prefill_session  # a 4-bit export's plain graph: prefill and one-row calls
         self.inputs, self.outputs = inputs, outputs
         self.past_names = [name for name in inputs if name.startswith("past_")]
         self.new_names = [name for name in outputs if name.startswith("new_")]
@@ -185,7 +199,10 @@ class GraphRunner:
         ``extra``: further graph inputs by name (e.g. a drafter graph's side inputs), fed as they are. ``tree``
         (a :class:`~kangaroo_core.tree.TreeAttention`): the rows are tree nodes (their positions and visibility)."""
         n, start = first.shape[1], self.length
-        binding = self.session.io_binding()
+        # a 4-bit export's plain graph: the prefill, and one-row calls (its one-row kernel is the row-by-row one's)
+        plain = self.prefill_session is not None and (start == 0 or n == 1)
+        session = self.prefill_session if plain else self.session
+        binding = session.io_binding()
         first = first.contiguous()
         self._bind(binding, self.inputs[0], first)
         kept = [first]  # the bound buffers must outlive the run
@@ -197,7 +214,7 @@ class GraphRunner:
         for name, tensor in zip(self.outputs, results):
             self._bind(binding, name, tensor, output=True)
         if not self.layers:
-            self.session.run_with_iobinding(binding)
+            session.run_with_iobinding(binding)
             return results
         if start + n > self.capacity:
             self._grow(start + n)
@@ -215,7 +232,7 @@ class GraphRunner:
             self._bind(binding, name, buffer[:, :start])
         for name, buffer in zip(self.new_names, self.cache):
             self._bind(binding, name, buffer[:, start:start + n], output=True)
-        self.session.run_with_iobinding(binding)
+        session.run_with_iobinding(binding)
         self.length = start + n
         return results
 
@@ -243,10 +260,12 @@ class OnnxBackend(Backend):
         if not isinstance(accuracy_level, int) or not 0 <= accuracy_level <= 4:
             raise ConfigError(f"accuracy_level must be an integer 0..4, got {accuracy_level!r}")
         self.weights, self.accuracy_level = weights, accuracy_level
+        self.rows_exact = True  # what this code exports; a bundle says otherwise below
         if bundle is not None and (Path(bundle).expanduser() / MANIFEST).is_file():  # a bundle says what it holds
             try:
-                self.weights, self.accuracy_level = export_weights(read_json(Path(bundle).expanduser() / MANIFEST,
-                                                                             OnnxModelError))
+                manifest = read_json(Path(bundle).expanduser() / MANIFEST, OnnxModelError)
+                self.weights, self.accuracy_level = export_weights(manifest)
+                self.rows_exact = rows_exact(manifest)
             except (OnnxModelError, AttributeError, TypeError, ValueError):
                 pass  # reported with the full manifest check when the sessions open
         self.gguf_path = None
@@ -287,12 +306,14 @@ class OnnxBackend(Backend):
 
     @property
     def inexact_multi_position(self) -> str | None:
-        # measured: at accuracy level 4 a verify pass and one-token passes over the same tokens pick different tokens
-        # (activations are quantized per pass); at levels 0/1 the graphs compute in float32 as the plain export does
-        if self.accuracy_level <= 1:
+        # measured: MatMulNBits' kernel for two or more rows differs from its one-row kernel in the last bits (and, at
+        # accuracy level 4, quantizes activations otherwise), so 4-bit graphs compute each row on its own
+        # (gguf_nbits.row_by_row); a 4-bit bundle exported before that cannot verify losslessly
+        if self.rows_exact:
             return None
-        return (f"MatMulNBits accuracy level {self.accuracy_level} quantizes activations per pass, so a verify pass "
-                "does not reproduce one-token passes; use --onnx-accuracy-level 1 (float32 activations) to draft")
+        return ("this 4-bit ONNX export multiplies several rows at once (MatMulNBits' multi-row kernel differs from "
+                "one-row passes in the last bits), so a verify pass does not reproduce one-token passes; re-export it "
+                "(kangaroo export-onnx --weights gguf) to draft")
 
     def resplit(self, exit_layer: int) -> "OnnxBackend":
         provider = {name: key for key, name in PROVIDERS.items()}[self.provider]
@@ -350,16 +371,21 @@ class OnnxBackend(Backend):
             raise ProviderError(f"onnxruntime could not use {self.provider} for {path.name} (got {', '.join(session.get_providers())})")
         return session
 
-    def open_graph(self, path: Path, inputs: list[str], outputs: list[str], kv_layers: int) -> GraphRunner:
-        """Run an ONNX graph of the backend's KV layout (see :class:`GraphRunner`); checks its input/output names."""
-        session = self.session(path)
-        got_in, got_out = [i.name for i in session.get_inputs()], [o.name for o in session.get_outputs()]
-        if got_in != inputs or got_out != outputs:
-            raise OnnxModelError(f"{path}: inputs/outputs {got_in} → {got_out}, expected {inputs} → {outputs}")
+    def open_graph(self, path: Path, inputs: list[str], outputs: list[str], kv_layers: int,
+                   prefill_path: Path | None = None) -> GraphRunner:
+        """Run an ONNX graph of the backend's KV layout (see :class:`GraphRunner`); checks its input/output names.
+        ``prefill_path``: a graph with the same inputs and outputs for calls with nothing cached yet."""
+        sessions = [self.session(p) for p in (path, prefill_path) if p is not None]
+        for file, session in zip((path, prefill_path), sessions):
+            got_in, got_out = [i.name for i in session.get_inputs()], [o.name for o in session.get_outputs()]
+            if got_in != inputs or got_out != outputs:
+                raise OnnxModelError(f"{file}: inputs/outputs {got_in} → {got_out}, expected {inputs} → {outputs}")
+        session = sessions[0]
         head_dim = self.model.config.hidden_size // self.model.config.num_attention_heads
         head_dim = getattr(self.model.config, "head_dim", None) or head_dim
         return GraphRunner(session, inputs, outputs, kv_layers, (self.model.config.num_key_value_heads, head_dim),
-                           self.max_context, self.device, window=sliding_window(self.model.config))
+                           self.max_context, self.device, window=sliding_window(self.model.config),
+                           prefill_session=sessions[1] if len(sessions) > 1 else None)
 
     def _ensure(self) -> None:
         """Export (once) and open the three graphs; called when a generation starts, never per token."""
@@ -379,11 +405,14 @@ class OnnxBackend(Backend):
             raise OnnxModelError(f"ONNX export {directory} has weights {export_weights(manifest)}, not "
                                  f"{(self.weights, self.accuracy_level)}; delete it to re-export")
         self.weights, self.accuracy_level = export_weights(manifest)
+        self.rows_exact = rows_exact(manifest)
         runners = {}
         for name in GRAPHS:
             inputs, outputs = graph_io(name, self.model.config, self.exit_layer)
             kv_layers = sum(i.startswith("past_") for i in inputs) // 2
-            runners[name] = self.open_graph(graph_file(directory, manifest, name, directory / MANIFEST), inputs, outputs, kv_layers)
+            prefill = graph_file(directory, manifest, name, directory / MANIFEST, key="prefill_file", optional=True)
+            runners[name] = self.open_graph(graph_file(directory, manifest, name, directory / MANIFEST), inputs, outputs,
+                                            kv_layers, prefill_path=prefill)
         self.shallow_runner, self.deep_runner, self.head_runner = runners["shallow"], runners["deep"], runners["head"]
         self.manifest = manifest
 

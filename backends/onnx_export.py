@@ -49,15 +49,17 @@ from torch import nn
 
 from kangaroo_backends.families import FULL, SLIDING, family_of, layer_kinds, rotary_embeddings, sliding_window
 from kangaroo_backends.kv_cache import causal_mask
+from kangaroo_backends.gguf_nbits import ROWS as NBITS_ROWS
 from kangaroo_core.errors import MissingDependencyError, OnnxExportError
 
 MANIFEST = "manifest.json"
 FORMAT = "kangaroo-onnx"
 FORMAT_VERSION = 3
-#: how the graphs are written inside an unchanged interface (2: the lean attention of :class:`Attention`); recorded in
-#: the manifest and part of the export cache's key, so a cached export of an older revision is re-exported, while a
-#: bundle of an older revision still loads (same inputs and outputs, only slower)
-GRAPH_REVISION = 2
+#: how the graphs are written inside an unchanged interface (2: the lean attention of :class:`Attention`; 3: 4-bit
+#: products row by row, :func:`~kangaroo_backends.gguf_nbits.row_by_row`); recorded in the manifest and part of the
+#: export cache's key, so a cached export of an older revision is re-exported, while a bundle of an older revision
+#: still loads (same inputs and outputs; an older 4-bit bundle runs the target alone only)
+GRAPH_REVISION = 3
 #: the export cache's directory name under ``onnx/``
 EXPORT_KEY = f"v{FORMAT_VERSION}.{GRAPH_REVISION}"
 DEFAULT_OPSET = 17
@@ -490,13 +492,22 @@ def export_onnx(model, out_dir: str | os.PathLike, *, exit_layer: int, fingerpri
                 raise OnnxExportError(f"torch.onnx.export failed for the {name} graph: {exc}") from exc
             check = validate_outputs(file, inputs, _cases(name, model, exit_layer))
             limit = check_tolerance(name, check, tolerance)
-            quantized = None
+            quantized, prefill = None, {}
             if nbits is not None:
+                lossy = tolerance if accuracy_level <= 1 else LOSSY_TOLERANCE
+                if name != "head":  # the prefill's own graph: its rows multiplied at once (see gguf_nbits.row_by_row)
+                    prefill_file = tmp / f"{name}.prefill.onnx"
+                    shutil.copyfile(file, prefill_file)
+                    _quantize(prefill_file, name, model, nbits, exit_layer, num_layers, accuracy_level, rows=False)
+                    check_tolerance(f"{name} (prefill)", validate_outputs(prefill_file, inputs,
+                                                                          _cases(name, model, exit_layer)), lossy)
+                    prefill = {"prefill_file": prefill_file.name}
                 quantized = _quantize(file, name, model, nbits, exit_layer, num_layers, accuracy_level)
                 check = validate_outputs(file, inputs, _cases(name, model, exit_layer))
-                limit = check_tolerance(name, check, tolerance if accuracy_level <= 1 else LOSSY_TOLERANCE)
+                limit = check_tolerance(name, check, lossy)
             graphs[name] = {
                 **({"matmul_nbits": quantized} if quantized else {}),
+                **prefill,
                 "file": file.name,
                 "inputs": _shapes(inputs, dims),
                 "outputs": _shapes(outputs, dims),
@@ -510,7 +521,7 @@ def export_onnx(model, out_dir: str | os.PathLike, *, exit_layer: int, fingerpri
             "opset": opset,
             "dtype": "float32",
             "weights": weights if nbits is None else {"format": "gguf-matmulnbits", "gguf_file": Path(gguf_path).name,
-                                                      "accuracy_level": int(accuracy_level)},
+                                                      "accuracy_level": int(accuracy_level), "rows": NBITS_ROWS},
             "kv_layout": "[batch, seq, kv_heads, head_dim]; graphs return the new positions' KV only",
             "model_name": model_name,
             "base_model_fingerprint": fingerprint,
@@ -533,7 +544,8 @@ def export_onnx(model, out_dir: str | os.PathLike, *, exit_layer: int, fingerpri
 FLOAT32_ACTIVATION_BITS = (4,)
 
 
-def _quantize(file: Path, name: str, model, nbits: dict, exit_layer: int, num_layers: int, accuracy_level: int) -> dict:
+def _quantize(file: Path, name: str, model, nbits: dict, exit_layer: int, num_layers: int, accuracy_level: int,
+              rows: bool = True) -> dict:
     """Rewrite one exported graph onto MatMulNBits; every linear layer of the graph must have been replaced (but
     8-bit ones at float32 activations, which stay float32 MatMuls over their exact dequantization)."""
     from kangaroo_backends.gguf_nbits import quantize_graph
@@ -546,7 +558,8 @@ def _quantize(file: Path, name: str, model, nbits: dict, exit_layer: int, num_la
         raise OnnxExportError(f"the GGUF file has {len(wanted)} of the {expected} linear weights of the {name} graph")
     kept = {n: w.gguf_type for n, w in wanted.items() if accuracy_level <= 1 and w.bits not in FLOAT32_ACTIVATION_BITS}
     wanted = {n: w for n, w in wanted.items() if n not in kept}
-    done = quantize_graph(file, model, wanted, accuracy_level=accuracy_level) if wanted else {"replaced": 0, "types": {}}
+    done = (quantize_graph(file, model, wanted, accuracy_level=accuracy_level, rows_one_by_one=rows) if wanted
+            else {"replaced": 0, "types": {}})
     if done["replaced"] != len(wanted):
         raise OnnxExportError(f"only {done['replaced']} of the {name} graph's {len(wanted)} linear layers were found "
                               "in the exported graph; export refused")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -14,6 +16,7 @@ from gguf import quants  # noqa: E402
 
 from kangaroo_backends.gguf_nbits import (  # noqa: E402
     LLAMA_NAMES,
+    ROWS,
     UnsupportedQuantization,
     from_gguf_blocks,
     read_linear_weights,
@@ -143,14 +146,20 @@ def test_gguf_export_replaces_every_linear_layer(gguf_bundle):
     import onnx
 
     out, manifest = gguf_bundle
-    assert manifest["weights"] == {"format": "gguf-matmulnbits", "gguf_file": "tiny.gguf", "accuracy_level": 1}
+    assert manifest["weights"] == {"format": "gguf-matmulnbits", "gguf_file": "tiny.gguf", "accuracy_level": 1,
+                                   "rows": ROWS}
     counts = {g: e["matmul_nbits"]["replaced"] for g, e in manifest["graphs"].items()}
     assert counts == {"shallow": 7, "deep": 14, "head": 0}  # the Q8_0 head stays float32 at float32 activations
     assert manifest["graphs"]["head"]["matmul_nbits"]["kept_float32"] == {"lm_head.weight": "Q8_0"}
     for name in ("shallow", "deep"):
         graph = onnx.load(str(out / f"{name}.onnx")).graph
         ops = [n.op_type for n in graph.node]
-        assert "MatMulNBits" in ops
+        assert "MatMulNBits" not in ops  # every product row by row, inside a Scan
+        bodies = [a.g for n in graph.node if n.op_type == "Scan" for a in n.attribute if a.name == "body"]
+        assert [[n.op_type for n in body.node] for body in bodies] == [["Unsqueeze", "MatMulNBits", "Squeeze"]] * counts[name]
+        assert manifest["graphs"][name]["prefill_file"] == f"{name}.prefill.onnx"  # the prefill: rows at once
+        prefill_ops = [n.op_type for n in onnx.load(str(out / f"{name}.prefill.onnx")).graph.node]
+        assert prefill_ops.count("MatMulNBits") == counts[name] and "Scan" not in prefill_ops
         assert not [i for i in graph.initializer if len(i.dims) == 2 and i.dims[0] * i.dims[1] >= 64 * 64
                     and i.data_type == 1 and name != "shallow"]  # no float32 weight matrix left (shallow: embedding)
 
@@ -218,8 +227,38 @@ def test_a_gguf_with_an_unmapped_type_is_refused(tiny_gguf, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_int8_activations_refuse_drafting_in_one_line(tiny_gguf, tmp_path):
-    """Measured: at accuracy level 4 a verify pass does not reproduce one-token passes, so no drafter may run."""
+@pytest.mark.parametrize("level", [1, 4])
+def test_a_verify_pass_reproduces_one_position_passes_bit_for_bit(tiny_gguf, tmp_path, level):
+    """MatMulNBits' multi-row kernel differs from its one-row kernel in the last bits (level 1) or quantizes the
+    activations otherwise (level 4); the row-by-row graphs make a pass over n positions give exactly the logits of n
+    one-position passes, at float32 and at int8 activations."""
+    from kangaroo_backends.onnx_backend import OnnxBackend
+    from kangaroo_backends.onnx_export import export_onnx
+    from kangaroo_core.testing import TinyTokenizer
+
+    model, path = tiny_gguf
+    export_onnx(model, tmp_path / "b", exit_layer=1, weights="gguf", gguf_path=path, accuracy_level=level, quiet=True)
+    backend = OnnxBackend(model, TinyTokenizer(96, None), 1, "tiny", bundle=tmp_path / "b", provider="cpu", threads=2)
+    prompt, tokens = [7, 1, 30], [5, 17, 3, 88, 41, 9, 60, 2]
+
+    def after_prompt(passes):
+        backend.reset()
+        backend.deep(backend.shallow(prompt, 0), 0)  # the prefill: the same pass either way
+        start, out = len(prompt), []
+        for chunk in passes:
+            out.append(backend.deep(backend.shallow(chunk, start), start))
+            start += len(chunk)
+        return torch.cat([o.logits for o in out]), torch.cat([o.hidden for o in out])
+
+    verified = after_prompt([tokens[:1], tokens[1:]])  # a one-row pass, then a 7-row verify pass
+    one_by_one = after_prompt([[t] for t in tokens])
+    assert torch.equal(verified[0], one_by_one[0]) and torch.equal(verified[1], one_by_one[1])
+
+
+def test_int8_activations_draft_losslessly_and_an_older_4_bit_bundle_is_refused(tiny_gguf, tmp_path):
+    """At accuracy level 4 Kangaroo is token-identical to that backend's own target alone (rows are computed one by
+    one); a 4-bit bundle whose manifest does not say so (exported before) runs the target alone and refuses drafters
+    in one line."""
     from kangaroo_backends.onnx_backend import OnnxBackend
     from kangaroo_backends.onnx_export import export_onnx
     from kangaroo_core.config import ConfigError, DecodeConfig
@@ -232,11 +271,24 @@ def test_int8_activations_refuse_drafting_in_one_line(tiny_gguf, tmp_path):
     model, path = tiny_gguf
     export_onnx(model, tmp_path / "a4", exit_layer=1, weights="gguf", gguf_path=path, accuracy_level=4, quiet=True)
     backend = OnnxBackend(model, TinyTokenizer(96, None), 1, "tiny", bundle=tmp_path / "a4", provider="cpu")
-    assert backend.accuracy_level == 4  # read from the bundle's manifest before any session opens
-    config = DecodeConfig(exit_layer=1, max_new_tokens=4)
-    assert Engine(backend, None, ThresholdPolicy(), GreedyVerifier(), config).generate_ids([1, 2, 3]).token_ids
-    with pytest.raises(ConfigError, match="^drafting on this backend would not be lossless: MatMulNBits accuracy level 4"):
-        Engine(backend, KangarooDrafter(), ThresholdPolicy(), GreedyVerifier(), config)
+    assert backend.accuracy_level == 4 and backend.inexact_multi_position is None  # read before any session opens
+    config = DecodeConfig(eta=0.0, gamma=5, exit_layer=1, max_new_tokens=30)
+    for seed in range(3):
+        prompt = [(11 * seed + 5 * i) % 96 for i in range(6)]
+        vanilla = Engine(backend, None, ThresholdPolicy(eta=0.0), GreedyVerifier(), config).generate_ids(prompt)
+        drafted = Engine(backend, KangarooDrafter(), ThresholdPolicy(eta=0.0), GreedyVerifier(), config).generate_ids(prompt)
+        assert drafted.token_ids == vanilla.token_ids
+        assert sum(r.drafted for r in drafted.rounds) >= 5 * 3  # multi-position verify passes really ran
+
+    manifest_path = tmp_path / "a4" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["weights"]["rows"]  # what a bundle of graph revision 1 or 2 says
+    manifest_path.write_text(json.dumps(manifest))
+    old = OnnxBackend(model, TinyTokenizer(96, None), 1, "tiny", bundle=tmp_path / "a4", provider="cpu")
+    assert Engine(old, None, ThresholdPolicy(), GreedyVerifier(), config).generate_ids([1, 2, 3]).token_ids
+    with pytest.raises(ConfigError, match="^drafting on this backend would not be lossless: this 4-bit ONNX export "
+                                          "multiplies several rows at once"):
+        Engine(old, KangarooDrafter(), ThresholdPolicy(), GreedyVerifier(), config)
 
 
 def test_llama_cpp_method_says_how_to_install_it(monkeypatch):
