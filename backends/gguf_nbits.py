@@ -170,12 +170,13 @@ def row_by_row(helper, inputs: list[str], attributes: dict, y: str, stem: str, k
     (a ``Scan`` over the rows; the weights stay outer-scope initializers, packed once).
 
     Why: onnxruntime's MatMulNBits takes another kernel for two or more rows (it dequantizes, then runs a GEMM) whose
-    results differ from the one-row kernel's in the last bits (measured: ~5e-7 relative at accuracy level 1; a
-    one-row product at the top of a graph and inside a ``Scan`` differ too). A verify pass must reproduce the target
-    alone's one-token passes bit for bit, so both run this graph. Cost: r one-row products instead of one r-row
-    product (the weights are streamed r times), which is why the prefill runs a graph of its own
-    (``<name>.prefill.onnx``: the same pass for the target alone and for every drafter). Measured, and not used:
-    choosing between the two inside one graph (``If``) kept onnxruntime from packing the weights (20x slower).
+    results differ from the one-row kernel's in the last bits (measured: ~5e-7 relative at accuracy level 1). A
+    verify pass must reproduce the target alone's one-token passes bit for bit, so its rows go through the one-row
+    kernel. Cost: r one-row products instead of one r-row product (the weights are streamed r times), which is why
+    the prefill runs a graph of its own (``<name>.prefill.onnx``, plain products: the same pass for the target alone
+    and for every drafter); one-row passes run that graph too, its one-row product being the ``Scan``'s row bit for
+    bit (asserted). Measured, and not used: choosing between the two inside one graph (``If``) kept onnxruntime from
+    packing the weights (20x slower).
     """
     from onnx import TensorProto
 

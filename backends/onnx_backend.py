@@ -1,9 +1,10 @@
 """ONNX Runtime backend: the split target (shallow.onnx, deep.onnx, head.onnx) on InferenceSessions.
 
 The graphs come from :mod:`kangaroo_backends.onnx_export`; without a ``bundle`` option they are exported on first use
-into ``cache_dir()/onnx/v<format>.<graph revision>/<fingerprint>-l<exit layer>`` (once; atomically, so a failed export leaves nothing
-behind). Drafters that run their own network here export it themselves into :meth:`OnnxBackend.artifact_dir` and run
-it with :meth:`OnnxBackend.open_graph` (same provider, threads and in-place KV buffers as the backend's graphs).
+into ``cache_dir()/onnx/v<format>.<graph revision>/<fingerprint>-l<exit layer>`` (once; atomically, so a failed
+export leaves nothing behind). Drafters that run their own network here export it themselves into
+:meth:`OnnxBackend.artifact_dir` and run it with :meth:`OnnxBackend.open_graph` (same provider, threads and in-place KV
+buffers as the backend's graphs).
 
 KV cache: each graph takes the past keys/values [1, past, kvh, hd] and returns only the n new positions'. Per layer
 the backend keeps one preallocated buffer [1, capacity, kvh, hd] (a torch tensor on the session's device, doubled when
@@ -374,7 +375,8 @@ class OnnxBackend(Backend):
     def open_graph(self, path: Path, inputs: list[str], outputs: list[str], kv_layers: int,
                    prefill_path: Path | None = None) -> GraphRunner:
         """Run an ONNX graph of the backend's KV layout (see :class:`GraphRunner`); checks its input/output names.
-        ``prefill_path``: a graph with the same inputs and outputs for calls with nothing cached yet."""
+        ``prefill_path``: a graph with the same inputs and outputs for the calls with nothing cached yet and the
+        one-row calls (a 4-bit export's plain graph: see :func:`~kangaroo_backends.gguf_nbits.row_by_row`)."""
         sessions = [self.session(p) for p in (path, prefill_path) if p is not None]
         for file, session in zip((path, prefill_path), sessions):
             got_in, got_out = [i.name for i in session.get_inputs()], [o.name for o in session.get_outputs()]
