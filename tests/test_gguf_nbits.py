@@ -174,27 +174,37 @@ def test_int8_activations_also_take_the_8_bit_head(tiny_gguf, tmp_path):
     assert manifest["graphs"]["deep"]["validation"]["tolerance"] > manifest["graphs"]["deep"]["validation"]["max_abs_diff"]
 
 
-def test_kangaroo_on_the_gguf_backend_is_lossless(tiny_gguf, gguf_bundle):
-    from kangaroo_backends.onnx_backend import OnnxBackend
+def kangaroo_equals_target_alone(backend, prompts, max_new_tokens: int = 30) -> list[tuple[list[int], list[int]]]:
+    """Kangaroo (eta 0: always drafting, gamma 5) on ``backend`` emits its target alone's tokens for every prompt,
+    through real multi-position verify passes; returns (prompt, the target alone's tokens) pairs."""
     from kangaroo_core.config import DecodeConfig
     from kangaroo_core.engine import Engine
-    from kangaroo_core.testing import TinyTokenizer, hf_greedy
     from kangaroo_plugins.greedy_verifier import GreedyVerifier
     from kangaroo_plugins.kangaroo.drafter import KangarooDrafter
     from kangaroo_policies.threshold import ThresholdPolicy
+
+    config = DecodeConfig(eta=0.0, gamma=5, exit_layer=1, max_new_tokens=max_new_tokens)
+    pairs = []
+    for prompt in prompts:
+        vanilla = Engine(backend, None, ThresholdPolicy(eta=0.0), GreedyVerifier(), config).generate_ids(prompt)
+        drafted = Engine(backend, KangarooDrafter(), ThresholdPolicy(eta=0.0), GreedyVerifier(), config).generate_ids(prompt)
+        assert drafted.token_ids == vanilla.token_ids
+        assert sum(r.drafted for r in drafted.rounds) >= 5 * 3  # multi-position verify passes really ran
+        pairs.append((prompt, vanilla.token_ids))
+    return pairs
+
+
+def test_kangaroo_on_the_gguf_backend_is_lossless(tiny_gguf, gguf_bundle):
+    from kangaroo_backends.onnx_backend import OnnxBackend
+    from kangaroo_core.testing import TinyTokenizer, hf_greedy
 
     model, _ = tiny_gguf
     out, _ = gguf_bundle
     backend = OnnxBackend(model, TinyTokenizer(96, model.generation_config.eos_token_id), 1, "tiny", bundle=out,
                           provider="cpu")
-    config = DecodeConfig(eta=0.0, gamma=5, exit_layer=1, max_new_tokens=30)
-    for seed in range(3):
-        prompt = [(13 * seed + 3 * i) % 96 for i in range(7)]
-        vanilla = Engine(backend, None, ThresholdPolicy(eta=0.0), GreedyVerifier(), config).generate_ids(prompt)
-        drafted = Engine(backend, KangarooDrafter(), ThresholdPolicy(eta=0.0), GreedyVerifier(), config).generate_ids(prompt)
-        assert drafted.token_ids == vanilla.token_ids
-        assert sum(r.drafted for r in drafted.rounds) >= 5 * 3  # multi-position verify passes really ran
-        assert vanilla.token_ids == hf_greedy(model, prompt, 30)  # same weights as transformers' float32 model
+    for prompt, vanilla in kangaroo_equals_target_alone(backend, [[(13 * seed + 3 * i) % 96 for i in range(7)]
+                                                                 for seed in range(3)]):
+        assert vanilla == hf_greedy(model, prompt, 30)  # same weights as transformers' float32 model
     assert backend.weights == "gguf"
 
 
@@ -272,13 +282,8 @@ def test_int8_activations_draft_losslessly_and_an_older_4_bit_bundle_is_refused(
     export_onnx(model, tmp_path / "a4", exit_layer=1, weights="gguf", gguf_path=path, accuracy_level=4, quiet=True)
     backend = OnnxBackend(model, TinyTokenizer(96, None), 1, "tiny", bundle=tmp_path / "a4", provider="cpu")
     assert backend.accuracy_level == 4 and backend.inexact_multi_position is None  # read before any session opens
-    config = DecodeConfig(eta=0.0, gamma=5, exit_layer=1, max_new_tokens=30)
-    for seed in range(3):
-        prompt = [(11 * seed + 5 * i) % 96 for i in range(6)]
-        vanilla = Engine(backend, None, ThresholdPolicy(eta=0.0), GreedyVerifier(), config).generate_ids(prompt)
-        drafted = Engine(backend, KangarooDrafter(), ThresholdPolicy(eta=0.0), GreedyVerifier(), config).generate_ids(prompt)
-        assert drafted.token_ids == vanilla.token_ids
-        assert sum(r.drafted for r in drafted.rounds) >= 5 * 3  # multi-position verify passes really ran
+    kangaroo_equals_target_alone(backend, [[(11 * seed + 5 * i) % 96 for i in range(6)] for seed in range(3)])
+    config = DecodeConfig(exit_layer=1, max_new_tokens=30)
 
     manifest_path = tmp_path / "a4" / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
