@@ -142,9 +142,9 @@ class GraphRunner:
     """
 
     def __init__(self, session, inputs: list[str], outputs: list[str], kv_layers: int, kv_shape: tuple[int, int],
-                 max_positions: int, device: torch.device, window: int | None = None, prefill_session=None):
+                 max_positions: int, device: torch.device, window: int | None = None, plain_session=None):
         self.session, self.device = session, device
-        self.prefill_session = prefill_session  # a 4-bit export's plain graph: prefill and one-row calls
+        self.plain_session = plain_session  # a 4-bit export's plain graph: prefill and one-row calls
         self.inputs, self.outputs = inputs, outputs
         self.past_names = [name for name in inputs if name.startswith("past_")]
         self.new_names = [name for name in outputs if name.startswith("new_")]
@@ -201,8 +201,8 @@ class GraphRunner:
         (a :class:`~kangaroo_core.tree.TreeAttention`): the rows are tree nodes (their positions and visibility)."""
         n, start = first.shape[1], self.length
         # a 4-bit export's plain graph: the prefill, and one-row calls (its one-row kernel is the row-by-row one's)
-        plain = self.prefill_session is not None and (start == 0 or n == 1)
-        session = self.prefill_session if plain else self.session
+        plain = self.plain_session is not None and (start == 0 or n == 1)
+        session = self.plain_session if plain else self.session
         binding = session.io_binding()
         first = first.contiguous()
         self._bind(binding, self.inputs[0], first)
@@ -373,12 +373,12 @@ class OnnxBackend(Backend):
         return session
 
     def open_graph(self, path: Path, inputs: list[str], outputs: list[str], kv_layers: int,
-                   prefill_path: Path | None = None) -> GraphRunner:
+                   plain_path: Path | None = None) -> GraphRunner:
         """Run an ONNX graph of the backend's KV layout (see :class:`GraphRunner`); checks its input/output names.
-        ``prefill_path``: a graph with the same inputs and outputs for the calls with nothing cached yet and the
+        ``plain_path``: a graph with the same inputs and outputs for the calls with nothing cached yet and the
         one-row calls (a 4-bit export's plain graph: see :func:`~kangaroo_backends.gguf_nbits.row_by_row`)."""
-        sessions = [self.session(p) for p in (path, prefill_path) if p is not None]
-        for file, session in zip((path, prefill_path), sessions):
+        sessions = [self.session(p) for p in (path, plain_path) if p is not None]
+        for file, session in zip((path, plain_path), sessions):
             got_in, got_out = [i.name for i in session.get_inputs()], [o.name for o in session.get_outputs()]
             if got_in != inputs or got_out != outputs:
                 raise OnnxModelError(f"{file}: inputs/outputs {got_in} → {got_out}, expected {inputs} → {outputs}")
@@ -387,7 +387,7 @@ class OnnxBackend(Backend):
         head_dim = getattr(self.model.config, "head_dim", None) or head_dim
         return GraphRunner(session, inputs, outputs, kv_layers, (self.model.config.num_key_value_heads, head_dim),
                            self.max_context, self.device, window=sliding_window(self.model.config),
-                           prefill_session=sessions[1] if len(sessions) > 1 else None)
+                           plain_session=sessions[1] if len(sessions) > 1 else None)
 
     def _ensure(self) -> None:
         """Export (once) and open the three graphs; called when a generation starts, never per token."""
@@ -414,7 +414,7 @@ class OnnxBackend(Backend):
             kv_layers = sum(i.startswith("past_") for i in inputs) // 2
             prefill = graph_file(directory, manifest, name, directory / MANIFEST, key="prefill_file", optional=True)
             runners[name] = self.open_graph(graph_file(directory, manifest, name, directory / MANIFEST), inputs, outputs,
-                                            kv_layers, prefill_path=prefill)
+                                            kv_layers, plain_path=prefill)
         self.shallow_runner, self.deep_runner, self.head_runner = runners["shallow"], runners["deep"], runners["head"]
         self.manifest = manifest
 

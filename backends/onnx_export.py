@@ -498,7 +498,8 @@ def export_onnx(model, out_dir: str | os.PathLike, *, exit_layer: int, fingerpri
                 if name != "head":  # the prefill's own graph: its rows multiplied at once (see gguf_nbits.row_by_row)
                     prefill_file = tmp / f"{name}.prefill.onnx"
                     shutil.copyfile(file, prefill_file)
-                    _quantize(prefill_file, name, model, nbits, exit_layer, num_layers, accuracy_level, rows=False)
+                    _quantize(prefill_file, name, model, nbits, exit_layer, num_layers, accuracy_level,
+                              rows_one_by_one=False)
                     check_tolerance(f"{name} (prefill)", validate_outputs(prefill_file, inputs,
                                                                           _cases(name, model, exit_layer)), lossy)
                     prefill = {"prefill_file": prefill_file.name}
@@ -545,7 +546,7 @@ FLOAT32_ACTIVATION_BITS = (4,)
 
 
 def _quantize(file: Path, name: str, model, nbits: dict, exit_layer: int, num_layers: int, accuracy_level: int,
-              rows: bool = True) -> dict:
+              rows_one_by_one: bool = True) -> dict:
     """Rewrite one exported graph onto MatMulNBits; every linear layer of the graph must have been replaced (but
     8-bit ones at float32 activations, which stay float32 MatMuls over their exact dequantization)."""
     from kangaroo_backends.gguf_nbits import quantize_graph
@@ -558,8 +559,8 @@ def _quantize(file: Path, name: str, model, nbits: dict, exit_layer: int, num_la
         raise OnnxExportError(f"the GGUF file has {len(wanted)} of the {expected} linear weights of the {name} graph")
     kept = {n: w.gguf_type for n, w in wanted.items() if accuracy_level <= 1 and w.bits not in FLOAT32_ACTIVATION_BITS}
     wanted = {n: w for n, w in wanted.items() if n not in kept}
-    done = (quantize_graph(file, model, wanted, accuracy_level=accuracy_level, rows_one_by_one=rows) if wanted
-            else {"replaced": 0, "types": {}})
+    done = (quantize_graph(file, model, wanted, accuracy_level=accuracy_level, rows_one_by_one=rows_one_by_one)
+            if wanted else {"replaced": 0, "types": {}})
     if done["replaced"] != len(wanted):
         raise OnnxExportError(f"only {done['replaced']} of the {name} graph's {len(wanted)} linear layers were found "
                               "in the exported graph; export refused")
