@@ -486,7 +486,8 @@ def export_onnx_command(out, model, exit_layer, threads, adapter, opset, toleran
         _eprint(f"[{graph}] {entry['file']}: max |onnx - eager| {check['max_abs_diff']:.2e} (tolerance {check['tolerance']:.2e})")
     if adapter != "none":  # the drafter exports its own graph into the bundle, as it does on first use
         opts = EngineOptions(model=model, exit_layer=exit_layer, threads=threads, backend_name="onnx", onnx_dir=out,
-                             adapter=adapter, drafter_options=(f"onnx_opset={opset}", f"onnx_tolerance={tolerance}"))
+                             adapter=adapter, drafter="kangaroo",  # the adapter's graph (every drafter's adapter)
+                             drafter_options=(f"onnx_opset={opset}", f"onnx_tolerance={tolerance}"))
         engine = opts.engine(backend=_resolve_onnx(opts, backend))
         _eprint(f"[adapter] {engine.drafter.resolved_adapter or 'untrained'} exported into {out}/drafters")
     click.echo(out)

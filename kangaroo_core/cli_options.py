@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 import click
 
-from kangaroo_core.config import DEFAULT_EXIT_LAYER, ConfigError, DecodeConfig, SamplingConfig
+from kangaroo_core.config import DEFAULT_DRAFTER, DEFAULT_EXIT_LAYER, ConfigError, DecodeConfig, SamplingConfig
 from kangaroo_core.errors import KangarooError, UsageError
 
 
@@ -69,7 +69,7 @@ class EngineOptions:
     eta: float = 0.6
     gamma: int = 6
     max_new_tokens: int = 128
-    drafter: str = "kangaroo"
+    drafter: str = DEFAULT_DRAFTER
     drafter_options: tuple = ()
     policy: str = "threshold"
     policy_options: tuple = ()
@@ -250,7 +250,8 @@ _SHARED = [
                  help="Keep drafting while the draft's top-1 probability > eta."),
     click.option("--gamma", type=int, default=6, show_default=True, help="At most this many drafts per round."),
     click.option("--max-new-tokens", type=int, default=128, show_default=True),
-    click.option("--drafter", default="kangaroo", show_default=True, help="Drafter plugin."),
+    click.option("--drafter", default=DEFAULT_DRAFTER, show_default=True,
+                 help="Drafter plugin: kangaroo-hybrid (prompt lookup + the adapter) or kangaroo (the adapter alone)."),
     click.option("--drafter-option", "drafter_options", multiple=True, metavar="KEY=VALUE",
                  help="Option for the drafter plugin (repeatable)."),
     click.option("--policy", default="threshold", show_default=True,

@@ -85,6 +85,10 @@ class SamplingConfig:
 #: the exit layer when neither the user nor a drafter's trained weights choose one
 DEFAULT_EXIT_LAYER = 2
 
+#: the drafter plugin when none is named: prompt lookup where the context's continuation has been accepted, the
+#: Kangaroo adapter otherwise (``kangaroo`` is the paper's drafter alone; docs/benchmarks.md has the A/B)
+DEFAULT_DRAFTER = "kangaroo-hybrid"
+
 
 @attrs.frozen
 class DecodeConfig:

@@ -26,7 +26,7 @@ from typing import Any
 import attrs
 import torch
 
-from kangaroo_core.config import ConfigError, DecodeConfig, SamplingConfig
+from kangaroo_core.config import DEFAULT_DRAFTER, ConfigError, DecodeConfig, SamplingConfig
 from kangaroo_core.errors import PromptError
 from kangaroo_core.interfaces import Backend, SelfDrafter, StoppingPolicy, TreeShaper, Verifier
 from kangaroo_core.plugins import get_registry
@@ -171,7 +171,7 @@ class Engine:
         *,
         config: DecodeConfig = DecodeConfig(),
         backend: str | Backend = "torch",
-        drafter: str | SelfDrafter | None = "kangaroo",
+        drafter: str | SelfDrafter | None = DEFAULT_DRAFTER,
         policy: str | StoppingPolicy = "threshold",
         verifier: str | Verifier = "auto",
         adapter: str | None = None,

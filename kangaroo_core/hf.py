@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from kangaroo_core.config import DEFAULT_EXIT_LAYER, DecodeConfig, SamplingConfig
+from kangaroo_core.config import DEFAULT_DRAFTER, DEFAULT_EXIT_LAYER, DecodeConfig, SamplingConfig
 from kangaroo_core.errors import KangarooError
 
 #: Logits processors that are the sampling warpers Kangaroo applies itself (from generation_config's values).
@@ -176,7 +176,7 @@ def _engine_for(model, adapter, exit_layer, eta, gamma, policy, kernels):
     if key not in engines:
         name = getattr(model, "name_or_path", "model") or "model"
         backend = TorchBackend(model, None, DEFAULT_EXIT_LAYER if exit_layer is None else exit_layer, model_name=name, kernels=kernels)
-        drafter = get_registry().resolve("drafter", "kangaroo")(adapter=adapter)
+        drafter = get_registry().resolve("drafter", DEFAULT_DRAFTER)(adapter=adapter)
         if exit_layer is None:  # the layer the (shipped) adapter was trained at
             preferred = drafter.preferred_exit_layer(backend.fingerprint)
             if preferred is not None and preferred != backend.exit_layer:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from kangaroo_core.bench.api import BenchContext
+from kangaroo_core.bench.api import RUN_DEFAULT, BenchContext
 from kangaroo_core.errors import KangarooError, MissingDependencyError
 from kangaroo_core.hookspecs import hookimpl
 from kangaroo_plugins.bench_methods import EngineMethod, HFGenerate, KangarooMethod, KangarooTreeMethod
@@ -150,7 +150,16 @@ class KangarooOnnx(_OnnxEngine, KangarooMethod):
         if config.exit_layer != context.backend.exit_layer:
             raise KangarooError(f"{self.name} runs at the bench's --exit-layer only")
         return context.engine(config=config, backend=self.onnx_backend(context), adapter=self.adapter_or_default,
-                              policy=self.policy, policy_options=self.policy_options, **self.tree_arguments(context))
+                              policy=self.policy, policy_options=self.policy_options,
+                              drafter=self.drafter or RUN_DEFAULT, **self.tree_arguments(context))
+
+
+class KangarooOnnxHybrid(KangarooOnnx):
+    """The hybrid drafter (prompt lookup where it has been accepted, the adapter otherwise) on onnxruntime."""
+
+    name = "kangaroo_onnx_hybrid"
+    rank = 7
+    drafter = "kangaroo-hybrid"
 
 
 class KangarooOnnxTree(KangarooOnnx, KangarooTreeMethod):
@@ -181,6 +190,7 @@ def register_bench_methods(register):
     register("ort_vanilla", ORTVanilla)
     register("vanilla_onnx", VanillaOnnx)
     register("kangaroo_onnx", KangarooOnnx)
+    register("kangaroo_onnx_hybrid", KangarooOnnxHybrid)
     register("kangaroo_onnx_tree", KangarooOnnxTree)
     register("vanilla_onnx_gguf", VanillaOnnxGguf)
     register("kangaroo_onnx_gguf", KangarooOnnxGguf)

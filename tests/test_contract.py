@@ -187,7 +187,8 @@ def test_generation_seconds_exclude_the_consumers_time():
     (["--policy", "threshold", "--policy-option", "bogus=1"], "policy 'threshold': .*bogus.*; valid options: eta"),
     (["--policy", "adaptive", "--policy-option", "pivot=abc"], "policy 'adaptive': bad option value .*valid options: pivot"),
     (["--policy-option", "novalue"], "--policy-option takes KEY=VALUE"),
-    (["--drafter-option", "warp=9"], "drafter 'kangaroo': .*warp.*; valid options: adapter"),
+    (["--drafter-option", "warp=9"], "drafter 'kangaroo-hybrid': .*warp.*; valid options: adapter, max_ngram"),
+    (["--drafter", "kangaroo", "--drafter-option", "warp=9"], "drafter 'kangaroo': .*warp.*; valid options: adapter"),
 ])
 def test_bad_plugin_options_are_one_line_naming_the_valid_ones(tiny_model_dir, capsys, args, message):
     import re

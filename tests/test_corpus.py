@@ -38,6 +38,9 @@ def test_shards_round_trip_token_ids_compactly(tmp_path):
     from safetensors.torch import load_file
 
     assert load_file(tmp_path / "s.safetensors")["answer_ids"].dtype == torch.uint16  # 2 bytes a token
+    probe = tmp_path / "probe"
+    probe.write_text("")  # a shard gets the permissions of any file written here (safetensors alone makes 0600)
+    assert (tmp_path / "s.safetensors").stat().st_mode & 0o777 == probe.stat().st_mode & 0o777
     write_shard(tmp_path / "big.safetensors", records, vocab_size=262144)
     assert read_shard(tmp_path / "big.safetensors") == records
     (tmp_path / "bad.safetensors").write_bytes(b"not a shard")

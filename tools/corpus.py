@@ -221,7 +221,14 @@ def write_shard(path: Path, records: Sequence[Record], vocab_size: int) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     save_file({"prompt_ids": prompt_ids, "prompt_offsets": prompt_offsets, "answer_ids": answer_ids,
                "answer_offsets": answer_offsets}, tmp, metadata={"prompts": json.dumps([r.prompt_id for r in records])})
+    os.chmod(tmp, 0o666 & ~_umask())  # safetensors creates its file 0600; a shard is as readable as any file here
     os.replace(tmp, path)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def read_shard(path: Path) -> list[Record]:

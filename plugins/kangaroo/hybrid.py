@@ -4,10 +4,15 @@ Kangaroo adapter's draft otherwise.
 Drafts copied from the context cost nothing and are often right where the answer quotes its prompt (RAG,
 summarisation, code, multi-turn); the adapter covers everything else. The choice is made per position from measured
 acceptance: the drafter asks for the target's deep states (:meth:`~kangaroo_core.interfaces.SelfDrafter.observe_deep`),
-which the engine hands over for exactly the accepted positions after every round, so it knows which of its own
-proposals were accepted and which was the first rejected one. Per n-gram length it keeps an acceptance estimate
-``(accepted + 1) / (verified + 2)`` for lookup drafts; a lookup draft is proposed when that estimate beats the
-adapter's top-1 probability (or when both agree), and the policy sees the estimate as the draft's confidence.
+which the engine hands over for exactly the accepted positions after every round, so it knows how far the target's
+tokens are known; the next round's committed tokens say which of its lookup proposals the target agreed with. Per
+n-gram length it keeps an acceptance estimate ``(accepted + 2 prior) / (verified + 2)`` for lookup drafts; a lookup
+draft is proposed when that estimate beats the adapter's top-1 probability (or when both agree), and the policy sees
+the estimate as the draft's confidence.
+
+In token-tree rounds every node gets the same choice for its own drafted path (the lookup continuation of the
+committed tokens plus the path), so a copied continuation becomes a branch next to the adapter's top-k; only the
+root's lookup is scored (sibling nodes share positions).
 
 Lossless like every drafter: the target verifies every draft. Under sampled drafting the proposal is the returned
 distribution (mass ``c`` on the lookup token, the adapter's distribution scaled to ``1 - c`` elsewhere), which is
@@ -70,10 +75,14 @@ class NgramIndex:
                     self.positions.setdefault(tuple(self.tokens[i - n:i]), []).append(i - n)
             self.tokens.append(int(token_ids[i]))
 
-    def lookup(self) -> tuple[int, int] | None:
-        """(next token, n) after the latest earlier occurrence of the longest suffix n-gram, as :func:`lookup`."""
-        for n in range(min(self.max_n, len(self.tokens) - 1), self.min_n - 1, -1):
-            starts = self.positions.get(tuple(self.tokens[-n:]))
+    def lookup(self, extra: Sequence[int] = ()) -> tuple[int, int] | None:
+        """(next token, n) after the latest earlier occurrence of the longest suffix n-gram, as :func:`lookup`.
+
+        ``extra``: tokens appended to the indexed sequence for this lookup only (a tree node's drafted path); the
+        occurrences searched are those of the indexed sequence."""
+        tail = self.tokens[-self.max_n:] + list(extra)[-self.max_n:]
+        for n in range(min(self.max_n, len(self.tokens) + len(extra) - 1), self.min_n - 1, -1):
+            starts = self.positions.get(tuple(tail[-n:]))
             if starts:
                 return self.tokens[starts[-1] + n], n
         return None
@@ -88,6 +97,7 @@ class HybridDrafter(SelfDrafter):
         prior: the acceptance estimate of a lookup draft before any has been verified.
         carry_over: keep the acceptance counts from one generation to the next (a server learning its traffic).
             Off by default, so that a generation depends only on its own prompt (and seed).
+        onnx_opset / onnx_tolerance: passed to the adapter's drafter (its graph on an onnxruntime backend).
 
     The counts are measured under greedy drafting only: under sampled drafting the token drawn from the returned
     distribution need not be the lookup token, and the drafter cannot tell, so the estimates stay at ``prior``.
@@ -97,17 +107,20 @@ class HybridDrafter(SelfDrafter):
     wants_deep_states = True
 
     def __init__(self, adapter: str | None = None, max_ngram: int = 4, min_ngram: int = 2, prior: float = 0.5,
-                 carry_over: bool = False, measure: bool = True):
+                 carry_over: bool = False, measure: bool = True, onnx_opset: int | None = None,
+                 onnx_tolerance: float | None = None):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         if not 0 < prior < 1:
             raise ValueError(f"prior must be in (0, 1), got {prior!r}")
-        self.adapter = KangarooDrafter(adapter=adapter)
+        onnx = {k: v for k, v in (("onnx_opset", onnx_opset), ("onnx_tolerance", onnx_tolerance)) if v is not None}
+        self.adapter = KangarooDrafter(adapter=adapter, **onnx)
         self.max_ngram, self.min_ngram, self.prior = max_ngram, min_ngram, prior
         self.carry_over, self.measure = bool(carry_over), bool(measure)
         # per n-gram length: [accepted, verified] of lookup drafts
         self.counts = {n: [0, 0] for n in range(min_ngram, max_ngram + 1)}
         self.pending: dict[int, tuple[int, int]] = {}  # position -> (token, n) of lookup drafts not yet verified
+        self.verified: tuple[int, int] | None = None  # (start, end) of the last round's accepted positions
         self.index = NgramIndex(min_ngram, max_ngram)
         self.sources = {"lookup": 0, "adapter": 0}
 
@@ -134,6 +147,7 @@ class HybridDrafter(SelfDrafter):
     def reset(self) -> None:
         self.adapter.reset()
         self.pending.clear()
+        self.verified = None
         self.index = NgramIndex(self.min_ngram, self.max_ngram)
         if not self.carry_over:
             self.counts = {n: [0, 0] for n in self.counts}
@@ -147,43 +161,71 @@ class HybridDrafter(SelfDrafter):
 
     def advance(self, token_ids: Sequence[int], hidden: torch.Tensor) -> torch.Tensor:
         logits = self.adapter.advance(token_ids, hidden)  # the adapter sees every position, whichever source wins
+        self._settle(token_ids)
         self.index.sync(token_ids)
         found = self.index.lookup()
         if found is None:
             self.sources["adapter"] += 1
             return logits
+        row, used = self._propose(logits, found)
+        if used and self.measure:
+            self.pending[len(token_ids)] = found
+        return row
+
+    def _propose(self, logits: torch.Tensor, found: tuple[int, int] | None) -> tuple[torch.Tensor, bool]:
+        """The adapter's logits [V], or — when the lookup token's estimate beats the adapter's top-1 probability, or
+        both agree — a distribution with mass ``c`` on the lookup token and the adapter's scaled to ``1 - c`` on the
+        rest (under greedy drafting its argmax is the lookup token). Returns (logits, lookup used)."""
+        if found is None:
+            self.sources["adapter"] += 1
+            return logits, False
         token, n = found
         best, top = logits.max(dim=-1)
         confidence = float(torch.exp(best - torch.logsumexp(logits, dim=-1)))  # the adapter's top-1 probability
         c = self.estimate(n)
         if int(top) != token and c <= confidence:
             self.sources["adapter"] += 1
-            return logits  # the common case stays as cheap as the plain drafter
+            return logits, False  # the common case stays as cheap as the plain drafter
         self.sources["lookup"] += 1
-        if self.measure:
-            self.pending[len(token_ids)] = (token, n)
         c = max(c, confidence) if int(top) == token else c
         rest = torch.softmax(logits.double(), dim=-1)
         rest[token] = 0.0
         mass = float(rest.sum())
         mixed = rest * ((1 - c) / mass) if mass > 0 else torch.full_like(rest, (1 - c) / (len(rest) - 1))
         mixed[token] = c
-        return torch.log(mixed).to(logits.dtype)
+        return torch.log(mixed).to(logits.dtype), True
 
     def observe_deep(self, start: int, hidden: torch.Tensor) -> None:
-        """Positions ``start..start+m`` were accepted (x_n and m drafts): lookup drafts among ``start+1..start+m``
-        were accepted, one at ``start+m+1`` was the rejected draft; later ones were never on the target's path."""
+        """Positions ``start..start+m`` were accepted (x_n and m drafts), so the target's token at every position up
+        to ``start+m+1`` is now known: the pending lookup drafts there are scored at the next :meth:`advance`, against
+        the tokens committed (the rest were proposed after a rejection, off the target's path: no evidence)."""
         if self.adapter.wants_deep_states:  # a deep-context adapter reads them too
             self.adapter.observe_deep(start, hidden)
-        end = start + hidden.shape[0]  # first position not accepted
-        for position in sorted(self.pending):
-            if position <= start:
-                del self.pending[position]
-                continue
-            token, n = self.pending.pop(position)
-            if position < end:
-                self.counts[n][0] += 1
-                self.counts[n][1] += 1
-            elif position == end:
-                self.counts[n][1] += 1
-            # position > end: proposed after a rejected draft, never verified on the path: no evidence
+        self.verified = (start, start + hidden.shape[0])
+
+    def _settle(self, token_ids: Sequence[int]) -> None:
+        """Score the pending lookup drafts of the last round: one at position p was verified when the round's
+        accepted positions reach p - 1, and accepted when the committed token at p is the lookup token. In a chain
+        round that is "p before the first rejection"; in a tree round (where only the root's lookup is pending) the
+        accepted path may have taken another child, which the token comparison sees."""
+        if self.verified is not None:
+            start, end = self.verified  # end: the first position not accepted; its token is the target's own
+            for position, (token, n) in self.pending.items():
+                if start < position <= end and position < len(token_ids):
+                    self.counts[n][1] += 1
+                    self.counts[n][0] += int(token_ids[position] == token)
+            self.verified = None
+            self.pending.clear()  # within a round (verified is None) the round's own drafts stay pending
+
+    # -- token trees: every node's drafted path gets its own lookup, as a branch next to the adapter's top-k --------
+    @property
+    def drafts_trees(self) -> bool:
+        return self.adapter.drafts_trees
+
+    def advance_tree(self, token_ids: Sequence[int], paths, hidden: torch.Tensor, start: int, tree) -> torch.Tensor:
+        logits = self.adapter.advance_tree(token_ids, paths, hidden, start, tree)  # [m, V]
+        # the index holds the committed sequence (synced at the round's root); a node's suffix ends in its path
+        return torch.stack([self._propose(logits[i], self.index.lookup(path))[0] for i, path in enumerate(paths)])
+
+    def keep(self, positions: Sequence[int]) -> None:
+        self.adapter.keep(positions)
