@@ -14,7 +14,7 @@ from pathlib import Path
 import attrs
 import click
 
-from kangaroo_core.config import DEFAULT_EXIT_LAYER
+from kangaroo_core.config import DEFAULT_DRAFTER, DEFAULT_EXIT_LAYER
 from kangaroo_core.cli_options import EngineOptions, check_out_dir, engine_options, model_options, parse_key_values
 from kangaroo_core.errors import KangarooError, UsageError
 
@@ -418,7 +418,10 @@ def train_policy_command(out_dir, model, exit_layer, threads, adapter, prompts_f
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @engine_options
 def analyze_policies_command(questions_file, out_dir, policies, limit_per_subtask, no_progress, opts: EngineOptions) -> None:
-    """Calibration of the draft confidence, the optimal eta per subtask, and every policy replayed exactly (greedy)."""
+    """Calibration of the draft confidence, the optimal eta per subtask, and every policy replayed exactly (greedy).
+
+    The replay models drafters whose drafts depend only on the prefix: with the default --drafter it replays the
+    adapter alone (kangaroo), not the hybrid's lookups."""
     import torch
 
     from kangaroo_core.bench.questions import load_questions
@@ -428,6 +431,9 @@ def analyze_policies_command(questions_file, out_dir, policies, limit_per_subtas
     out = check_out_dir(out_dir)
     specs = parse_policy_list(policies)
     questions = load_questions(questions_file, limit_per_subtask)
+    if opts.drafter == DEFAULT_DRAFTER:  # the hybrid's drafts depend on earlier acceptances: not replayable
+        _eprint("kangaroo: analyze-policies replays the adapter alone (--drafter kangaroo)")
+        opts = attrs.evolve(opts, drafter="kangaroo")
     engine = attrs.evolve(opts, policy="fixed", policy_options=()).engine()
     result = run_analysis(engine, questions, specs, max_new_tokens=opts.max_new_tokens, progress=not no_progress)
     info = {"command": command_line(), "model": engine.backend.model_name,
