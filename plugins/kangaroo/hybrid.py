@@ -164,9 +164,6 @@ class HybridDrafter(SelfDrafter):
         self._settle(token_ids)
         self.index.sync(token_ids)
         found = self.index.lookup()
-        if found is None:
-            self.sources["adapter"] += 1
-            return logits
         row, used = self._propose(logits, found)
         if used and self.measure:
             self.pending[len(token_ids)] = found
