@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import statistics
 import sys
 from pathlib import Path
 
@@ -45,19 +46,24 @@ def cli() -> None:
 @engine_options
 @click.option("--vanilla", is_flag=True, help="Run the target model alone (no drafting), for comparison.")
 @click.option("--compare", is_flag=True, help="Run the target alone, then Kangaroo, and print both speeds side by side.")
+@click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
+              help="--compare: time this many interleaved pairs (target alone, Kangaroo) and report the medians; "
+                   "one short generation on a busy machine is mostly noise.")
 @click.option("--no-chat", is_flag=True, help="Use the prompt as raw text (no chat template).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
-def generate(prompt, opts: EngineOptions, vanilla, compare, no_chat, as_json) -> None:
+def generate(prompt, opts: EngineOptions, vanilla, compare, repeats, no_chat, as_json) -> None:
     """Generate a continuation of PROMPT, streaming text as drafts are accepted."""
     if vanilla and compare:
         raise click.UsageError("--vanilla and --compare exclude each other")
     check_text(prompt, "the prompt")
     if not prompt.strip():
         raise KangarooError("the prompt is empty")
+    if repeats > 1 and not compare:
+        raise click.UsageError("--repeats applies to --compare")
     engine = opts.engine(vanilla=vanilla)
     chat = not no_chat
     if compare:
-        _compare(engine, prompt, chat, as_json)
+        _compare(engine, prompt, chat, as_json, repeats)
         return
     label = "vanilla" if vanilla else "kangaroo"
     if as_json:
@@ -109,27 +115,43 @@ def _silence_stdout() -> None:
     os.close(devnull)
 
 
-def _compare(engine, prompt: str, chat: bool, as_json: bool) -> None:
+def _compare(engine, prompt: str, chat: bool, as_json: bool, repeats: int = 1) -> None:
+    """The target alone, then Kangaroo (streamed), on the same backend; with ``repeats`` > 1 more pairs, interleaved
+    so that a drift of the machine's speed hits both sides, and the medians reported."""
     from kangaroo_core.engine import Engine
 
     target_alone = Engine(engine.backend, None, engine.policy, engine.verifier, engine.config)
     engine.generate("Hello", chat=chat, max_new_tokens=4)  # warm-up: first calls pay one-off allocation costs
     # both sides are timed by the engine's own clock, which stops while the consumer prints
-    baseline = target_alone.generate(prompt, chat=chat)
+    baselines = [target_alone.generate(prompt, chat=chat)]
     if not as_json:
-        _eprint(format_stats(baseline, "vanilla "))
-        result = stream_to_stdout(engine.stream(prompt, chat=chat))
+        _eprint(format_stats(baselines[0], "vanilla "))
+        results = [stream_to_stdout(engine.stream(prompt, chat=chat))]
     else:
-        result = engine.generate(prompt, chat=chat)
-    identical = result.token_ids == baseline.token_ids if engine.config.sampling.greedy else None
-    speedup = result.tokens_per_second / baseline.tokens_per_second if baseline.tokens_per_second else 0.0
+        results = [engine.generate(prompt, chat=chat)]
+    for _ in range(repeats - 1):
+        baselines.append(target_alone.generate(prompt, chat=chat))
+        results.append(engine.generate(prompt, chat=chat))
+    greedy = engine.config.sampling.greedy
+    identical = all(r.token_ids == b.token_ids for r, b in zip(results, baselines)) if greedy else None
+    vanilla_speed = statistics.median(b.tokens_per_second for b in baselines)
+    kangaroo_speed = statistics.median(r.tokens_per_second for r in results)
+    speedup = kangaroo_speed / vanilla_speed if vanilla_speed else 0.0
+    pairs = [r.tokens_per_second / b.tokens_per_second for r, b in zip(results, baselines) if b.tokens_per_second]
     if as_json:
-        click.echo(json.dumps({"vanilla": baseline.to_dict(), "kangaroo": result.to_dict(), "speedup": speedup,
+        click.echo(json.dumps({"vanilla": baselines[0].to_dict(), "kangaroo": results[0].to_dict(), "speedup": speedup,
+                               "repeats": repeats, "vanilla_tokens_per_second": [b.tokens_per_second for b in baselines],
+                               "kangaroo_tokens_per_second": [r.tokens_per_second for r in results],
                                "identical_to_vanilla": identical}))
         return
-    _eprint(format_stats(result, "kangaroo"))
+    _eprint(format_stats(results[0], "kangaroo"))
     same = "n/a (sampling: same distribution, not the same draws)" if identical is None else "yes" if identical else "NO"
-    _eprint(f"[compare] speedup {speedup:.2f}x vs vanilla · output identical to vanilla: {same}")
+    if repeats == 1:
+        _eprint(f"[compare] speedup {speedup:.2f}x vs vanilla · output identical to vanilla: {same}")
+        return
+    _eprint(f"[compare] median of {repeats} interleaved runs: vanilla {vanilla_speed:.1f} tok/s, kangaroo "
+            f"{kangaroo_speed:.1f} tok/s · speedup {speedup:.2f}x vs vanilla (pairs {min(pairs):.2f}x-{max(pairs):.2f}x)"
+            f" · output identical to vanilla{' on every run' if greedy else ''}: {same}")
 
 DEFAULT_QUESTIONS = "../shared/data/specbench_dev.jsonl"
 _argv: list[str] = []

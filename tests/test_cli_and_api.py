@@ -57,6 +57,21 @@ def test_compare_reports_speedup_and_identity(tiny_model_dir, capsys):
     assert payload["speedup"] > 0
 
 
+def test_compare_repeats_interleave_pairs_and_report_medians(tiny_model_dir, capsys):
+    base = ["generate", PROMPT, "--model", str(tiny_model_dir), "--max-new-tokens", "8", "--compare", "--repeats", "3"]
+    code, out, err = run_cli(base + ["--json"], capsys)
+    assert code == 0, err
+    payload = json.loads(out)
+    vanilla, kangaroo = payload["vanilla_tokens_per_second"], payload["kangaroo_tokens_per_second"]
+    assert payload["repeats"] == 3 and len(vanilla) == len(kangaroo) == 3 and payload["identical_to_vanilla"] is True
+    assert payload["speedup"] == pytest.approx(sorted(kangaroo)[1] / sorted(vanilla)[1])
+    code, out, err = run_cli(base, capsys)
+    assert code == 0, err
+    assert "[compare] median of 3 interleaved runs" in err and "identical to vanilla on every run: yes" in err
+    assert out.strip()  # the first Kangaroo run still streams its text
+
+
+
 def test_sampling_json_is_reproducible(tiny_model_dir, capsys):
     base = ["generate", PROMPT, "--model", str(tiny_model_dir), "--max-new-tokens", "10", "--temperature", "0.7",
             "--top-p", "0.9"]
@@ -150,6 +165,7 @@ def test_prompt_errors(engine):
         (["generate", "hi", "--model", "/does/not/exist"], "model path does not exist: /does/not/exist"),
         (["generate", "hi", "--eta", "abc"], "'abc' is not a valid float"),
         (["generate", "hi", "--vanilla", "--compare"], "--vanilla and --compare exclude each other"),
+        (["generate", "hi", "--repeats", "3"], "--repeats applies to --compare"),
         (["generate"], "Missing argument 'PROMPT'"),
         (["generate", "hi", "--top-p", "0"], "top_p must be in (0, 1], got 0.0"),
         (["generate", "hi", "--temperature", "-1"], "temperature must be a finite number >= 0, got -1.0"),

@@ -131,3 +131,23 @@ def test_the_hybrid_tree_child_is_the_lookup_continuation_of_the_nodes_path():
     assert logits.shape == (3, 48)
     assert int(logits[0].argmax()) == 21 and int(logits[2].argmax()) == 30  # copied: 9 14 -> 21, 14 21 -> 30
     assert lookup(tokens + paths[1], 4, 2) is None
+
+
+@pytest.mark.parametrize("c", [0.05, 0.5, 0.93, 1.0])
+@pytest.mark.parametrize("peak", [0.0, 8.0, 40.0])
+def test_the_mixed_row_is_mass_c_on_the_lookup_token_and_the_adapters_ratios_elsewhere(c, peak):
+    """The mixture's softmax, exactly as defined: c on the lookup token, the adapter's distribution renormalised to
+    1 - c elsewhere — also when the adapter is all but certain of the token (peak 40: float32 cannot resolve the
+    rest, the float64 branch) and for c = 1 (a point mass)."""
+    generator = torch.Generator().manual_seed(int(peak) + int(100 * c))
+    logits = torch.randn(500, generator=generator) * 3
+    token = 17
+    logits[token] += peak
+    mixed = HybridDrafter._mix(logits, torch.logsumexp(logits, dim=-1), token, c)
+    probs = torch.softmax(mixed.double(), dim=-1)
+    others = torch.softmax(logits.double(), dim=-1)
+    others[token] = 0.0
+    expected = others / others.sum() * (1 - c)
+    expected[token] = c
+    assert torch.allclose(probs, expected, rtol=1e-4, atol=1e-9)
+    assert int(mixed.argmax()) == token or c < 0.5

@@ -21,6 +21,7 @@ what the engine draws from and hands to the speculative verifier.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -178,19 +179,34 @@ class HybridDrafter(SelfDrafter):
             return logits, False
         token, n = found
         best, top = logits.max(dim=-1)
-        confidence = float(torch.exp(best - torch.logsumexp(logits, dim=-1)))  # the adapter's top-1 probability
+        lse = torch.logsumexp(logits, dim=-1)
+        confidence = float(torch.exp(best - lse))  # the adapter's top-1 probability
         c = self.estimate(n)
         if int(top) != token and c <= confidence:
             self.sources["adapter"] += 1
             return logits, False  # the common case stays as cheap as the plain drafter
         self.sources["lookup"] += 1
         c = max(c, confidence) if int(top) == token else c
-        rest = torch.softmax(logits.double(), dim=-1)
-        rest[token] = 0.0
-        mass = float(rest.sum())
-        mixed = rest * ((1 - c) / mass) if mass > 0 else torch.full_like(rest, (1 - c) / (len(rest) - 1))
-        mixed[token] = c
-        return torch.log(mixed).to(logits.dtype), True
+        return self._mix(logits, lse, token, c), True
+
+    @staticmethod
+    def _mix(logits: torch.Tensor, lse: torch.Tensor, token: int, c: float) -> torch.Tensor:
+        """Logits whose softmax puts mass ``c`` on ``token`` and the adapter's distribution scaled to ``1 - c`` on the
+        rest. Only the lookup token's logit moves: the others keep their ratios, so it is set to
+        ``log Σ_{i≠token} e^{l_i} + log(c / (1 - c))`` — one float32 copy of the row instead of a float64 softmax over
+        the vocabulary on every lookup step (measured: 2 % of a 1-thread onnx generation). ``lse``: logsumexp of
+        ``logits``."""
+        rest = 1.0 - float(torch.exp(logits[token] - lse))  # the adapter's mass off the lookup token
+        if rest < 1e-6 or c >= 1.0:  # float32 cannot resolve the rest: mix in float64 over the vocabulary
+            others = torch.softmax(logits.double(), dim=-1)
+            others[token] = 0.0
+            mass = float(others.sum())
+            mixed = others * ((1 - c) / mass) if mass > 0 else torch.full_like(others, (1 - c) / (len(others) - 1))
+            mixed[token] = c
+            return torch.log(mixed).to(logits.dtype)
+        mixed = logits.clone()
+        mixed[token] = float(lse) + math.log(rest) + math.log(c / (1 - c))
+        return mixed
 
     def observe_deep(self, start: int, hidden: torch.Tensor) -> None:
         """Positions ``start..start+m`` were accepted (x_n and m drafts), so the target's token at every position up
