@@ -5,9 +5,15 @@ Two changes, both measured (``kangaroo profile``, docs/backends.md), both exact 
 * every ``nn.Linear`` becomes :class:`SmallBatchLinear`: up to 8 rows go through the streaming kernel of
   :mod:`kangaroo_backends.native` (a BLAS GEMM re-packs the weights on every call; the kernel reads them once), more
   rows through ``F.linear``;
-* attention runs grouped-query SDPA without materialising repeated keys/values (transformers copies K/V ``n_rep``
-  times whenever a mask is passed, i.e. on every multi-position pass): the query heads that share a KV head are
-  stacked along the query axis, so the KV heads are used as they are.
+* attention over up to 8 new rows runs the small-batch attention kernel (row-independent: a row's result does not
+  depend on the rows that came with it, so a verify pass reproduces the one-position passes bit for bit, as the
+  linear kernel does); longer passes (the prompt) and other dtypes run grouped-query SDPA without materialising
+  repeated keys/values (transformers copies K/V ``n_rep`` times whenever a mask is passed): the query heads that
+  share a KV head are stacked along the query axis, so the KV heads are used as they are.
+
+With both kernels every operation of a pass over n <= 8 rows treats each row alone (the rest is elementwise or
+per-row), so on CPU float32 Kangaroo's verify passes compute exactly what the target alone computes one position at
+a time: token identity by construction, not only up to near-ties.
 
 The user's model object is never modified: layers are shallow-copied module by module (parameters shared, no weight
 copied) and the copies' attention reads its own copy of the config naming the grouped attention function.
@@ -49,11 +55,42 @@ class SmallBatchLinear(torch.nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
+def kernel_attention(kernel, query, key, value, attention_mask, scaling) -> torch.Tensor | None:
+    """The small-batch attention kernel's output [b, q, H, d], or None where it does not apply (then SDPA runs).
+
+    Shapes: query [1, H, q, d]; key/value [1, Hkv, k, d] (views of the cache: rows of d contiguous);
+    attention_mask additive [1, 1, q, >= k] or None."""
+    b, heads, q, d = query.shape
+    keys = key.shape[-2]
+    if (b != 1 or q > MAX_ROWS or query.dtype != torch.float32 or key.dtype != torch.float32
+            or query.device.type != "cpu" or key.stride()[-2:] != (d, 1) or value.stride() != key.stride()):
+        return None
+    mask = None
+    if attention_mask is not None:
+        mask = attention_mask[0, 0, :, :keys]
+        if mask.dtype != torch.float32 or mask.stride(-1) != 1:
+            mask = mask.to(torch.float32).contiguous()
+    query = query.contiguous()
+    out = torch.empty(1, q, heads, d, dtype=query.dtype)
+    scale = float(scaling) if scaling is not None else d ** -0.5
+    if kernel(query.data_ptr(), key.data_ptr(), value.data_ptr(), 0 if mask is None else mask.data_ptr(),
+              out.data_ptr(), heads, key.shape[1], q, keys, d, key.stride(1), 0 if mask is None else mask.stride(0),
+              scale, torch.get_num_threads()) != 0:
+        raise MemoryError("small-batch attention: out of memory")
+    return out
+
+
 def grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-    """transformers' SDPA attention with the query heads of one KV head stacked: [1, H, q, d] -> [1, Hkv, g*q, d].
+    """transformers' SDPA attention with the query heads of one KV head stacked: [1, H, q, d] -> [1, Hkv, g*q, d];
+    a pass over up to 8 rows runs the small-batch attention kernel instead where the attention module has one.
 
     Shapes: query [b, H, q, d]; key/value [b, Hkv, k, d]; attention_mask additive [b, 1, q, k] or None.
     """
+    kernel = getattr(module, "attention_kernel", None)
+    if kernel is not None and not dropout and kwargs.get("softcap") is None:
+        out = kernel_attention(kernel, query, key, value, attention_mask, scaling)
+        if out is not None:
+            return out, None
     b, heads, q, d = query.shape
     kv_heads = key.shape[1]
     groups = heads // kv_heads
@@ -70,18 +107,20 @@ def grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
 AttentionInterface.register(GROUPED_ATTENTION, grouped_sdpa)
 
 
-def _clone(module: torch.nn.Module, kernel, config) -> torch.nn.Module:
+def _clone(module: torch.nn.Module, kernel, attention_kernel, config) -> torch.nn.Module:
     if isinstance(module, torch.nn.Linear):
         return SmallBatchLinear(module, kernel) if kernel is not None else module
     twin = copy.copy(module)  # shares parameters and buffers; the children dict is replaced below
-    twin._modules = {name: _clone(child, kernel, config) for name, child in module._modules.items()}
+    twin._modules = {name: _clone(child, kernel, attention_kernel, config) for name, child in module._modules.items()}
     if getattr(module, "config", None) is not None and hasattr(module, "num_key_value_groups"):
         twin.config = config  # the attention module: dispatches on config._attn_implementation
+        twin.attention_kernel = attention_kernel  # read by grouped_sdpa
     return twin
 
 
-def fast_layers(layers, kernel, config) -> torch.nn.ModuleList:
-    """Copies of ``layers`` sharing every weight, with small-batch linears (if ``kernel``) and grouped attention."""
+def fast_layers(layers, kernel, config, attention_kernel=None) -> torch.nn.ModuleList:
+    """Copies of ``layers`` sharing every weight, with small-batch linears (if ``kernel``) and grouped attention
+    (through the small-batch attention kernel for up to 8 rows, if ``attention_kernel``)."""
     grouped = copy.copy(config)
     grouped._attn_implementation = GROUPED_ATTENTION
-    return torch.nn.ModuleList(_clone(layer, kernel, grouped) for layer in layers)
+    return torch.nn.ModuleList(_clone(layer, kernel, attention_kernel, grouped) for layer in layers)

@@ -1,10 +1,11 @@
-"""The small-batch verify kernel (``small_batch_linear.c``), built once per machine with the system C compiler.
+"""The small-batch verify kernels (``small_batch_linear.c``, ``small_batch_attention.c``), built once per machine with
+the system C compiler into one library.
 
-Built at first use into ``$KANGAROO_CACHE_DIR/native/<hash>.so`` (the hash covers the source, the compiler flags and
+Built at first use into ``$KANGAROO_CACHE_DIR/native/<hash>.so`` (the hash covers the sources, the compiler flags and
 the compiler's version, so an edit or another compiler rebuilds) and loaded with :mod:`ctypes`; it links OpenMP
 against the ``libgomp`` that torch has already loaded, so both share one thread pool. Nothing depends on it: without
-a C compiler, on a platform where the build fails, or with ``KANGAROO_NATIVE=0``, :func:`small_batch_kernel` returns
-``None`` and the reason, and the backend runs the plain transformers path.
+a C compiler, on a platform where the build fails, or with ``KANGAROO_NATIVE=0``, :func:`small_batch_kernel` and
+:func:`small_batch_attention` return ``None`` and the reason, and the backend runs the plain transformers path.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from kangaroo_core.paths import cache_dir
 
-SOURCE = "small_batch_linear.c"
+SOURCES = ("small_batch_linear.c", "small_batch_attention.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC")
 MAX_ROWS = 8  # rows per call the kernel handles; more go to BLAS (a GEMM is efficient there)
 
@@ -30,18 +31,21 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
-def _build(compiler: str, source: bytes) -> Path:
+def _build(compiler: str, sources: dict[str, bytes]) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(source + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:20]
-    target = cache_dir() / "native" / f"small_batch_linear-{key}.so"
+    key = hashlib.sha256(b"".join(sources.values()) + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:20]
+    target = cache_dir() / "native" / f"small_batch-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src = Path(tmp) / SOURCE
-        src.write_bytes(source)
+        paths = []
+        for name, text in sources.items():
+            paths.append(Path(tmp) / name)
+            paths[-1].write_bytes(text)
         out = Path(tmp) / target.name
-        done = subprocess.run([compiler, *FLAGS, str(src), "-o", str(out)], capture_output=True, text=True, timeout=300)
+        done = subprocess.run([compiler, *FLAGS, *map(str, paths), "-o", str(out)], capture_output=True, text=True,
+                              timeout=300)
         if done.returncode != 0:
             raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "compiler failed")
         os.replace(out, target)  # atomic: a concurrent or interrupted build never leaves half a library
@@ -49,21 +53,40 @@ def _build(compiler: str, source: bytes) -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def small_batch_kernel() -> tuple[object | None, str]:
-    """``(function, "")`` or ``(None, why not)``; the function is ``small_batch_linear(x, w, y, n, in, out, threads)``."""
+def _library() -> tuple[ctypes.CDLL | None, str]:
+    """The built library, or ``(None, why not)``."""
     if os.environ.get("KANGAROO_NATIVE", "1") == "0":
         return None, "disabled by KANGAROO_NATIVE=0"
     compiler = _compiler()
     if compiler is None:
         return None, "no C compiler found (set CC, or install gcc)"
-    import torch  # noqa: F401  (loads torch's libgomp first, so the kernel shares torch's OpenMP runtime)
+    import torch  # noqa: F401  (loads torch's libgomp first, so the kernels share torch's OpenMP runtime)
 
-    source = resources.files("kangaroo_backends").joinpath(SOURCE).read_bytes()
+    sources = {name: resources.files("kangaroo_backends").joinpath(name).read_bytes() for name in SOURCES}
     try:
-        library = ctypes.CDLL(str(_build(compiler, source)))
+        return ctypes.CDLL(str(_build(compiler, sources))), ""
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return None, f"building the small-batch kernel failed: {exc}"
+
+
+def small_batch_kernel() -> tuple[object | None, str]:
+    """``(function, "")`` or ``(None, why not)``; the function is ``small_batch_linear(x, w, y, n, in, out, threads)``."""
+    library, why = _library()
+    if library is None:
+        return None, why
     function = library.small_batch_linear
     function.restype = ctypes.c_int
     function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    return function, ""
+
+
+def small_batch_attention() -> tuple[object | None, str]:
+    """``(function, "")`` or ``(None, why not)``; the function is ``small_batch_attention(query, key, value, mask, out,
+    heads, kv_heads, rows, keys, head_dim, kv_head_stride, mask_row_stride, scale, threads)`` (see the C source)."""
+    library, why = _library()
+    if library is None:
+        return None, why
+    function = library.small_batch_attention
+    function.restype = ctypes.c_int
+    function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 7 + [ctypes.c_float, ctypes.c_int]
     return function, ""

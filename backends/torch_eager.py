@@ -19,6 +19,7 @@ from kangaroo_backends.families import FULL, SLIDING, family_of, layer_kinds, ro
 from kangaroo_backends.fast_layers import fast_layers
 from kangaroo_backends.kv_cache import KVCache, causal_mask
 from kangaroo_backends.loading import load_model
+from kangaroo_backends.native import small_batch_attention, small_batch_kernel
 from kangaroo_core.config import ConfigError, DecodeConfig
 from kangaroo_core.hookspecs import hookimpl
 from kangaroo_core.interfaces import Backend, DeepOutput
@@ -70,8 +71,6 @@ def choose_kernel(kernels: str, dtype: torch.dtype, device: torch.device):
     """The small-batch kernel for ``kernels`` (None: plain linears); "small-batch" insists, "auto" falls back."""
     if kernels == "plain":
         return None
-    from kangaroo_backends.native import small_batch_kernel
-
     usable = device.type == "cpu" and dtype == torch.float32
     kernel, why = small_batch_kernel() if usable else (None, "it runs float32 on CPU only")
     if kernel is None and kernels == "small-batch":
@@ -109,7 +108,8 @@ class TorchBackend(Backend):
         layers, self.lm_head = inner.layers, model.lm_head
         if kernels != "plain":
             kernel = choose_kernel(kernels, self.dtype, self.device)
-            layers = fast_layers(inner.layers, kernel, config)
+            attention = small_batch_attention()[0] if kernel is not None else None
+            layers = fast_layers(inner.layers, kernel, config, attention)
             self.lm_head = fast_layers([model.lm_head], kernel, config)[0]
             self.kernels = "small-batch" if kernel is not None else "grouped-attention"
         self.shallow_layers = layers[:exit_layer]

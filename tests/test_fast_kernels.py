@@ -9,18 +9,21 @@ import torch
 import torch.nn.functional as F
 
 from kangaroo_backends import native
-from kangaroo_backends.fast_layers import SmallBatchLinear, fast_layers, grouped_sdpa
+from kangaroo_backends.fast_layers import SmallBatchLinear, fast_layers, grouped_sdpa, kernel_attention
+from kangaroo_backends.kv_cache import causal_mask
 from kangaroo_backends.torch_eager import TorchBackend
 from kangaroo_core.bench.cost_model import measure_costs
 from kangaroo_core.cli import main
 from kangaroo_core.config import ConfigError, DecodeConfig
 from kangaroo_core.engine import Engine
-from kangaroo_core.testing import TinyTokenizer, hf_greedy, tiny_llama
+from kangaroo_core.testing import TinyTokenizer, hf_greedy, tiny_llama, tiny_model
+from kangaroo_core.tree import TreeAttention
 from kangaroo_plugins.greedy_verifier import GreedyVerifier
 from kangaroo_plugins.kangaroo.drafter import KangarooDrafter
 from kangaroo_policies.threshold import ThresholdPolicy
 
 kernel, why_not = native.small_batch_kernel()
+attention_kernel = native.small_batch_attention()[0]
 needs_kernel = pytest.mark.skipif(kernel is None, reason=f"small-batch kernel unavailable: {why_not}")
 NEAR_TIE = 1e-4
 
@@ -66,6 +69,81 @@ def test_small_batch_linear_adds_bias_and_keeps_shape():
     x = torch.randn(1, 3, 32)
     with torch.no_grad():
         torch.testing.assert_close(SmallBatchLinear(linear, kernel)(x), linear(x), rtol=1e-5, atol=1e-5)
+
+
+def _attention_masks(q: int, past: int) -> dict:
+    """Every mask a verify pass meets: causal, causal in a sliding window, a token tree (siblings hidden)."""
+    tree = TreeAttention(committed=past, visible=[(past,), (past, past + 1), (past, past + 2), (past + 3,),
+                                                 (past + 3, past + 4), (past, past + 1, past + 5),
+                                                 (past, past + 1, past + 5, past + 6), (past + 3, past + 7)][:q],
+                         positions=[past, past + 1, past + 1, past, past + 1, past + 2, past + 3, past + 1][:q])
+    return {"causal": causal_mask(q, past, torch.float32), "window": causal_mask(q, past, torch.float32, window=20),
+            "tree": tree.additive_mask(past + q, torch.float32)}
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 1, 256), (6, 2, 40), (2, 2, 16)])
+def test_attention_kernel_matches_sdpa_and_computes_each_row_alone(heads, kv_heads, d):
+    """Each row's output is bit for bit what the row computes alone over only the keys it sees (the target alone's
+    one-position pass): hidden keys, later rows and tree siblings change nothing."""
+    gen = torch.Generator().manual_seed(heads * d)
+    past, q, capacity = 37, 8, 64
+    keys, values = torch.randn(2, 1, kv_heads, capacity, d, generator=gen)  # cache-like views: head stride capacity*d
+    query = torch.randn(1, heads, q, d, generator=gen).transpose(2, 3).contiguous().transpose(2, 3)  # not contiguous
+    module = torch.nn.Module()
+    module.num_key_value_groups = heads // kv_heads
+    for name, mask in _attention_masks(q, past).items():
+        key, value = keys[:, :, : past + q], values[:, :, : past + q]
+        got = kernel_attention(attention_kernel, query, key, value, mask, 0.3)
+        ref, _ = grouped_sdpa(module, query, key, value, mask, scaling=0.3)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, msg=name)
+        for i in range(q):
+            seen = (mask[0, 0, i] == 0).nonzero()[:, 0]
+            alone = kernel_attention(attention_kernel, query[:, :, i:i + 1], key[:, :, seen], value[:, :, seen], None,
+                                     0.3)
+            assert torch.equal(alone[0, 0], got[0, i]), (name, i)
+
+
+@needs_kernel
+def test_attention_kernel_leaves_what_it_does_not_handle_to_sdpa():
+    key = torch.randn(1, 2, 12, 16)
+    assert kernel_attention(attention_kernel, torch.randn(1, 4, 9, 16), key, key, None, None) is None  # > 8 rows
+    assert kernel_attention(attention_kernel, torch.randn(1, 4, 2, 16).double(), key.double(), key.double(), None,
+                            None) is None
+    assert kernel_attention(attention_kernel, torch.randn(1, 4, 2, 16), key.transpose(2, 3).contiguous().transpose(2, 3),
+                            key, None, None) is None  # keys not stored row by row
+
+
+@needs_kernel
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen2"])
+def test_a_verify_pass_reproduces_the_one_position_passes_bit_for_bit(family):
+    """The torch backend's fast path: logits and final states of an n-row pass (chain or token tree) equal those of
+    one-position passes over the same tokens, bit for bit — what makes Kangaroo equal its target alone by
+    construction. Gemma 3 and Qwen2 slide a window shorter than the context over some layers."""
+    model = tiny_model(family, seed=3, vocab=96, hidden=64, layers=4, heads=4, kv_heads=2, window=12,
+                       dtype=torch.float32, init_std=0.3)
+    backend = TorchBackend(model, TinyTokenizer(96, None), 2, "t")
+    ids = [(13 * i + 5) % 96 for i in range(30)]
+    past = 20
+    backend.reset()
+    backend.deep(backend.shallow(ids[:past], 0), 0)
+    alone = []
+    for i in range(8):
+        out = backend.deep(backend.shallow(ids[past + i: past + i + 1], past + i), past + i)
+        alone.append((out.logits[0], out.hidden[0]))
+    for n in range(2, 9):
+        backend.crop(past)
+        out = backend.deep(backend.shallow(ids[past: past + n], past), past)
+        for i in range(n):
+            assert torch.equal(out.logits[i], alone[i][0]) and torch.equal(out.hidden[i], alone[i][1]), (n, i)
+    # a token tree: row 1 is row 0's child, row 2 its sibling (hidden from row 1 and 3), row 3 row 1's child
+    tree = TreeAttention(committed=past, visible=[(past,), (past, past + 1), (past, past + 2), (past, past + 1, past + 3)],
+                         positions=[past, past + 1, past + 1, past + 2])
+    backend.crop(past)
+    tokens = [ids[past], ids[past + 1], 7, ids[past + 2]]
+    out = backend.deep(backend.shallow(tokens, past, tree=tree), past, tree=tree)
+    for row, i in ((0, 0), (1, 1), (3, 2)):  # the path 0 -> 1 -> 3 is the sequence's next three tokens
+        assert torch.equal(out.logits[row], alone[i][0]) and torch.equal(out.hidden[row], alone[i][1]), row
 
 
 @pytest.mark.parametrize("q,past", [(1, 0), (1, 7), (4, 0), (5, 11)])
@@ -156,25 +234,25 @@ def test_kernel_switch_errors_and_fallback(monkeypatch):
     with pytest.raises(ConfigError, match="kernels must be one of"):
         TorchBackend(model, tokenizer, 1, "t", kernels="fast")
     monkeypatch.setenv("KANGAROO_NATIVE", "0")
-    native.small_batch_kernel.cache_clear()
+    native._library.cache_clear()
     try:
         assert native.small_batch_kernel() == (None, "disabled by KANGAROO_NATIVE=0")
         assert TorchBackend(model, tokenizer, 1, "t").kernels == "grouped-attention"
         with pytest.raises(ConfigError, match="kernels=small-batch is unavailable: disabled by KANGAROO_NATIVE=0"):
             TorchBackend(model, tokenizer, 1, "t", kernels="small-batch")
     finally:
-        native.small_batch_kernel.cache_clear()
+        native._library.cache_clear()
 
 
 def test_a_failing_compiler_is_reported_not_raised(monkeypatch, tmp_path):
     monkeypatch.setenv("KANGAROO_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "false")
-    native.small_batch_kernel.cache_clear()
+    native._library.cache_clear()
     try:
         function, why = native.small_batch_kernel()
         assert function is None and why.startswith("building the small-batch kernel failed")
     finally:
-        native.small_batch_kernel.cache_clear()
+        native._library.cache_clear()
 
 
 def test_fast_layers_only_swap_linears_and_attention_config():

@@ -124,6 +124,34 @@ def test_many_accepted_drafts_on_the_real_model(smollm, references, exit_layer, 
         assert_identical_or_near_tie(model, prompt_ids, reference, result.token_ids, backend.eos_token_ids,
                                      f"scripted l={exit_layer} prompt={prompt!r}")
         assert result.mean_accepted_tokens > 2.0  # most drafts were accepted, so multi-position verify really ran
+        if backend.kernels == "small-batch" and exit_layer == 2:  # exact by construction: no near-tie allowance
+            alone = Engine(backend, None, ThresholdPolicy(eta=0.0), GreedyVerifier(), config).generate_ids(prompt_ids)
+            assert result.token_ids == alone.token_ids, f"scripted prompt={prompt!r} differs from the target alone"
+
+
+def test_verify_passes_reproduce_one_position_passes_on_the_real_model(smollm):
+    """The torch fast path on SmolLM2 (CPU float32, both small-batch kernels): logits and final states of a pass over
+    n = 2..8 new positions equal n one-position passes bit for bit (transformers' layers differ by up to ~5e-5)."""
+    import random
+
+    model, tokenizer, name = smollm
+    backend = TorchBackend(model, tokenizer, 2, name)
+    if backend.kernels != "small-batch":
+        pytest.skip("the small-batch kernels are unavailable here (no C compiler)")
+    rng = random.Random(1)
+    ids = [rng.randrange(backend.vocab_size) for _ in range(140)]
+    past = 130
+    backend.reset()
+    backend.deep(backend.shallow(ids[:past], 0), 0, rows=[past - 1])
+    alone = []
+    for i in range(8):
+        out = backend.deep(backend.shallow(ids[past + i: past + i + 1], past + i), past + i)
+        alone.append((out.logits[0], out.hidden[0]))
+    for n in (2, 3, 5, 8):
+        backend.crop(past)
+        out = backend.deep(backend.shallow(ids[past: past + n], past), past)
+        for i in range(n):
+            assert torch.equal(out.logits[i], alone[i][0]) and torch.equal(out.hidden[i], alone[i][1]), (n, i)
 
 
 def test_the_gguf_file_s_own_4_bit_weights_on_onnxruntime(smollm, references):

@@ -1,0 +1,152 @@
+/* Attention for a verify pass (a few new query rows against the KV cache), fp32, row-independent bit for bit.
+ *
+ * Why: a Kangaroo round verifies n drafted positions in one pass, and its output must equal the target alone, which
+ * computes the same positions one pass at a time. PyTorch's SDPA (flash or math) gives a query row slightly different
+ * bits depending on how many rows came with it (measured on SmolLM2's shapes: every n >= 2 differs), so greedy
+ * decoding could flip at a near-tie. Here every row is computed alone, in a fixed order:
+ *
+ *   s_j = scale * <q, k_j> + mask_j          one 16-lane dot product per key (fixed order over the head dim)
+ *   p_j = exp(s_j - max_j s_j)              one elementwise exp: the same instructions for every key
+ *   out = (sum_j p_j v_j) / (sum_j p_j)      summed over keys strictly in key order
+ *
+ * A key the mask hides contributes an exact zero, and adding zero changes no float, so a row sees the same sums
+ * whether it comes alone (its keys are the cache's prefix) or with later rows and tree siblings masked out between
+ * its keys: a verify pass reproduces the one-position passes exactly, for chains and token trees alike.
+ * The query heads sharing a KV head (grouped-query attention) read that KV head as it is, without copies.
+ * Built at first use by kangaroo_backends.native together with small_batch_linear.c.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int i16 __attribute__((vector_size(64)));
+
+static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
+static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+static inline float hsum16(v16 v) {
+    v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* exp(x) for x <= 0, elementwise (Cody-Waite reduction, degree-6 polynomial, ~1 ulp); 0 below -87 (float underflow,
+ * and the masks' -inf / finfo.min). Only ever called on whole vectors, so every key gets the same instructions. */
+static inline v16 exp16(v16 x) {
+    const i16 under = x < -87.0f;  /* all ones where x underflows */
+    x = (v16)(((i16)x & ~under) | ((i16)((v16){0} - 87.0f) & under));
+    v16 t = x * 1.44269504088896341f;
+    v16 n;
+    for (int i = 0; i < 16; i++) n[i] = __builtin_rintf(t[i]);
+    v16 r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    v16 p = (v16){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    i16 e;
+    for (int i = 0; i < 16; i++) e[i] = ((int)n[i] + 127) << 23;  /* 2^n, n in [-126, 0] here */
+    v16 y = p * (v16)e;
+    return (v16)((i16)y & ~under);
+}
+
+/* Scores of every query vector of one KV head against one block of 16 keys: the block is transposed once, then each
+ * score is a sum over the head dimension in order (lane l holds key j0 + l; no lane depends on the others). */
+static void score_block(const float *q, long vectors, long rows, const float *k, const float *mask, long mask_stride,
+                        float *s, long padded, long j0, long keys, long d, float scale, float *kt) {
+    long count = keys - j0 < 16 ? keys - j0 : 16;
+    for (long t = 0; t < d; t++)
+        for (long l = 0; l < 16; l++) kt[t * 16 + l] = l < count ? k[(j0 + l) * d + t] : 0.0f;
+    for (long a0 = 0; a0 < vectors; a0 += 4) {  /* four vectors at a time: four independent FMA chains */
+        const float *qa[4];
+        for (int x = 0; x < 4; x++) qa[x] = q + (a0 + x < vectors ? a0 + x : vectors - 1) * d;
+        v16 acc[4] = {{0}, {0}, {0}, {0}};
+        for (long t = 0; t < d; t++) {
+            v16 kv = load16(kt + t * 16);
+            for (int x = 0; x < 4; x++) acc[x] += qa[x][t] * kv;
+        }
+        for (int x = 0; x < 4 && a0 + x < vectors; x++) {  /* vector a: query head kv * groups + a / rows, row a % rows */
+            long a = a0 + x;
+            float extra[16] = {0};
+            if (mask)
+                for (long l = 0; l < count; l++) extra[l] = mask[(a % rows) * mask_stride + j0 + l];
+            float *out = s + a * padded + j0;
+            store16(out, acc[x] * scale + load16(extra));
+            for (long l = count; l < 16; l++) out[l] = -INFINITY;  /* padding: exp16(-inf) = 0 */
+        }
+    }
+}
+
+/* One query vector's softmax and weighted sum of the values, over its scores s[keys] (padded to 16 with -inf). */
+static void weigh_values(float *s, const float *v, float *out, long keys, long d) {
+    long padded = (keys + 15) & ~15L, t16 = d & ~15L;
+    float m = -INFINITY;
+    for (long j = 0; j < keys; j++) m = s[j] > m ? s[j] : m;
+    for (long j = 0; j < padded; j += 16) store16(s + j, exp16(load16(s + j) - m));
+    float total = 0.0f;
+    for (long j = 0; j < keys; j++) total += s[j];  /* in key order: hidden keys add exact zeros */
+    long t = 0;
+    for (; t + 64 <= t16; t += 64) {  /* four 16-lane chunks at a time: four independent FMA chains */
+        v16 acc[4] = {{0}, {0}, {0}, {0}};
+        for (long j = 0; j < keys; j++)  /* in key order */
+            for (int c = 0; c < 4; c++) acc[c] += s[j] * load16(v + j * d + t + 16 * c);
+        for (int c = 0; c < 4; c++) store16(out + t + 16 * c, acc[c] / total);
+    }
+    for (; t < t16; t += 16) {
+        v16 acc = (v16){0};
+        for (long j = 0; j < keys; j++) acc += s[j] * load16(v + j * d + t);
+        store16(out + t, acc / total);
+    }
+    if (t < d) {  /* the last d % 16 dimensions, zero-padded: the same vector FMAs as the rest, never a scalar loop
+                     (a compiler may vectorize that one differently depending on the number of keys) */
+        long rest = d - t;
+        v16 acc = (v16){0};
+        for (long j = 0; j < keys; j++) {
+            float padded_v[16] = {0};
+            memcpy(padded_v, v + j * d + t, sizeof(float) * (size_t)rest);
+            acc += s[j] * load16(padded_v);
+        }
+        float result[16];
+        store16(result, acc / total);
+        memcpy(out + t, result, sizeof(float) * (size_t)rest);
+    }
+}
+
+/* out[rows, heads, d] = softmax(scale * Q K^T + mask) V for query [heads, rows, d] (contiguous); key/value
+ * [kv_heads, keys, d] with head stride kv_stride (a view of the cache); mask [rows, keys] with row stride
+ * mask_stride, or NULL. Query head h reads KV head h / (heads / kv_heads). 0 on success, -1 out of memory. */
+int small_batch_attention(const float *query, const float *key, const float *value, const float *mask, float *out,
+                          long heads, long kv_heads, long rows, long keys, long d, long kv_stride, long mask_stride,
+                          float scale, int threads) {
+    long groups = heads / kv_heads, vectors = groups * rows, padded = (keys + 15) & ~15L, blocks = padded / 16;
+    float *scores = malloc(sizeof(float) * (size_t)(kv_heads * vectors * padded));
+    if (!scores) return -1;
+    int failed = 0;
+    #pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        float *kt = malloc(sizeof(float) * (size_t)(16 * d));
+        failed = kt == NULL;
+        #pragma omp for schedule(static)
+        for (long item = 0; item < kv_heads * blocks; item++) {
+            long kv = item / blocks, j0 = (item % blocks) * 16;
+            if (kt)  /* the vectors of KV head kv are query[(kv * groups * rows + a) * d], a < groups * rows */
+                score_block(query + kv * vectors * d, vectors, rows, key + kv * kv_stride, mask, mask_stride,
+                            scores + kv * vectors * padded, padded, j0, keys, d, scale, kt);
+        }
+        #pragma omp for schedule(static)
+        for (long item = 0; item < kv_heads * vectors; item++) {
+            long kv = item / vectors, h = kv * groups + (item % vectors) / rows, i = item % rows;
+            weigh_values(scores + item * padded, value + kv * kv_stride, out + (i * heads + h) * d, keys, d);
+        }
+        free(kt);
+    }
+    free(scores);
+    return failed ? -1 : 0;
+}
