@@ -3,15 +3,15 @@
 Two changes, both measured (``kangaroo profile``, docs/backends.md), both exact re-orderings of the same arithmetic:
 
 * every ``nn.Linear`` becomes :class:`SmallBatchLinear`: up to 8 rows go through the streaming kernel of
-  :mod:`kangaroo_backends.native` (a BLAS GEMM re-packs the weights on every call; the kernel reads them once), more
-  rows through ``F.linear``;
-* attention over up to 8 new rows runs the small-batch attention kernel (row-independent: a row's result does not
+  :mod:`kangaroo_backends.native` in one call (a BLAS GEMM re-packs the weights on every call; the kernel reads them
+  once), 9..16 rows in two calls, more rows through ``F.linear``;
+* attention over up to 16 new rows runs the small-batch attention kernel (row-independent: a row's result does not
   depend on the rows that came with it, so a verify pass reproduces the one-position passes bit for bit, as the
   linear kernel does); longer passes (the prompt) and other dtypes run grouped-query SDPA without materialising
   repeated keys/values (transformers copies K/V ``n_rep`` times whenever a mask is passed): the query heads that
   share a KV head are stacked along the query axis, so the KV heads are used as they are.
 
-With both kernels every operation of a pass over n <= 8 rows treats each row alone (the rest is elementwise or
+With both kernels every operation of a pass over n <= 16 rows treats each row alone (the rest is elementwise or
 per-row), so on CPU float32 Kangaroo's verify passes compute exactly what the target alone computes one position at
 a time: token identity by construction, not only up to near-ties.
 
@@ -29,6 +29,10 @@ from transformers import AttentionInterface
 
 from kangaroo_backends.native import MAX_ROWS
 
+#: passes of up to this many rows run the kernels (exact per row): a verify pass of gamma <= 15 drafts or a token tree
+#: of up to 16 nodes; longer passes (prompts) run BLAS and SDPA, where a GEMM is efficient
+EXACT_ROWS = 2 * MAX_ROWS
+
 GROUPED_ATTENTION = "kangaroo_grouped_sdpa"
 
 
@@ -44,12 +48,15 @@ class SmallBatchLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if rows > MAX_ROWS or x.dtype != torch.float32 or x.device.type != "cpu" or self.weight.dtype != torch.float32:
+        if rows > EXACT_ROWS or x.dtype != torch.float32 or x.device.type != "cpu" or self.weight.dtype != torch.float32:
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features).contiguous()
         out = torch.empty(rows, self.out_features, dtype=x.dtype)
-        self.kernel(flat.data_ptr(), self.weight.data_ptr(), out.data_ptr(), rows, self.in_features,
-                    self.out_features, torch.get_num_threads())
+        threads = torch.get_num_threads()
+        for first in range(0, rows, MAX_ROWS):  # 9..16 rows: two calls, each row still computed alone
+            n = min(MAX_ROWS, rows - first)
+            self.kernel(flat[first].data_ptr(), self.weight.data_ptr(), out[first].data_ptr(), n, self.in_features,
+                        self.out_features, threads)
         if self.bias is not None:
             out += self.bias
         return out.view(*x.shape[:-1], self.out_features)
@@ -62,7 +69,7 @@ def kernel_attention(kernel, query, key, value, attention_mask, scaling) -> torc
     attention_mask additive [1, 1, q, >= k] or None."""
     b, heads, q, d = query.shape
     keys = key.shape[-2]
-    if (b != 1 or q > MAX_ROWS or query.dtype != torch.float32 or key.dtype != torch.float32
+    if (b != 1 or q > EXACT_ROWS or query.dtype != torch.float32 or key.dtype != torch.float32
             or query.device.type != "cpu" or key.stride()[-2:] != (d, 1) or value.stride() != key.stride()):
         return None
     mask = None
@@ -82,7 +89,7 @@ def kernel_attention(kernel, query, key, value, attention_mask, scaling) -> torc
 
 def grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """transformers' SDPA attention with the query heads of one KV head stacked: [1, H, q, d] -> [1, Hkv, g*q, d];
-    a pass over up to 8 rows runs the small-batch attention kernel instead where the attention module has one.
+    a pass over up to 16 rows runs the small-batch attention kernel instead where the attention module has one.
 
     Shapes: query [b, H, q, d]; key/value [b, Hkv, k, d]; attention_mask additive [b, 1, q, k] or None.
     """
@@ -120,7 +127,7 @@ def _clone(module: torch.nn.Module, kernel, attention_kernel, config) -> torch.n
 
 def fast_layers(layers, kernel, config, attention_kernel=None) -> torch.nn.ModuleList:
     """Copies of ``layers`` sharing every weight, with small-batch linears (if ``kernel``) and grouped attention
-    (through the small-batch attention kernel for up to 8 rows, if ``attention_kernel``)."""
+    (through the small-batch attention kernel for up to 16 rows, if ``attention_kernel``)."""
     grouped = copy.copy(config)
     grouped._attn_implementation = GROUPED_ATTENTION
     return torch.nn.ModuleList(_clone(layer, kernel, attention_kernel, grouped) for layer in layers)

@@ -24,7 +24,7 @@ from kangaroo_core.paths import cache_dir
 
 SOURCES = ("small_batch_linear.c", "small_batch_attention.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC")
-MAX_ROWS = 8  # rows per call the kernel handles; more go to BLAS (a GEMM is efficient there)
+MAX_ROWS = 8  # rows per call the linear kernel handles (fast_layers splits 9..16 rows into two calls)
 
 
 def _compiler() -> str | None:
@@ -69,24 +69,23 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         return None, f"building the small-batch kernel failed: {exc}"
 
 
-def small_batch_kernel() -> tuple[object | None, str]:
-    """``(function, "")`` or ``(None, why not)``; the function is ``small_batch_linear(x, w, y, n, in, out, threads)``."""
+def _function(name: str, argtypes: list) -> tuple[object | None, str]:
     library, why = _library()
     if library is None:
         return None, why
-    function = library.small_batch_linear
+    function = getattr(library, name)
     function.restype = ctypes.c_int
-    function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    function.argtypes = argtypes
     return function, ""
+
+
+def small_batch_kernel() -> tuple[object | None, str]:
+    """``(function, "")`` or ``(None, why not)``; the function is ``small_batch_linear(x, w, y, n, in, out, threads)``."""
+    return _function("small_batch_linear", [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int])
 
 
 def small_batch_attention() -> tuple[object | None, str]:
     """``(function, "")`` or ``(None, why not)``; the function is ``small_batch_attention(query, key, value, mask, out,
     heads, kv_heads, rows, keys, head_dim, kv_head_stride, mask_row_stride, scale, threads)`` (see the C source)."""
-    library, why = _library()
-    if library is None:
-        return None, why
-    function = library.small_batch_attention
-    function.restype = ctypes.c_int
-    function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 7 + [ctypes.c_float, ctypes.c_int]
-    return function, ""
+    return _function("small_batch_attention",
+                     [ctypes.c_void_p] * 5 + [ctypes.c_long] * 7 + [ctypes.c_float, ctypes.c_int])

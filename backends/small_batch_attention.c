@@ -5,7 +5,7 @@
  * bits depending on how many rows came with it (measured on SmolLM2's shapes: every n >= 2 differs), so greedy
  * decoding could flip at a near-tie. Here every row is computed alone, in a fixed order:
  *
- *   s_j = scale * <q, k_j> + mask_j          one 16-lane dot product per key (fixed order over the head dim)
+ *   s_j = scale * <q, k_j> + mask_j          summed over the head dimension in order, 16 keys per vector
  *   p_j = exp(s_j - max_j s_j)              one elementwise exp: the same instructions for every key
  *   out = (sum_j p_j v_j) / (sum_j p_j)      summed over keys strictly in key order
  *
@@ -24,15 +24,6 @@ typedef int i16 __attribute__((vector_size(64)));
 
 static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
 static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
-
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-
-static inline float hsum16(v16 v) {
-    v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (b[0] + b[2]) + (b[1] + b[3]);
-}
 
 /* exp(x) for x <= 0, elementwise (Cody-Waite reduction, degree-6 polynomial, ~1 ulp); 0 below -87 (float underflow,
  * and the masks' -inf / finfo.min). Only ever called on whole vectors, so every key gets the same instructions. */
