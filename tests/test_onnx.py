@@ -67,6 +67,33 @@ def kangaroo_engine(backend, exit_layer, eta, gamma, drafter=None):
     return Engine(backend, drafter or KangarooDrafter(), ThresholdPolicy(eta=eta), GreedyVerifier(), config)
 
 
+@needs_ort
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_float32_verify_pass_reproduces_one_position_passes_bit_for_bit(bundles, threads):
+    """The float32 export's rows do not depend on the rows that come with them (onnxruntime's float32 MatMul and the
+    graph's attention compute each row alike for every n): Kangaroo on it equals its target alone by construction."""
+    from kangaroo_backends.onnx_backend import OnnxBackend
+
+    m = model(2)
+    backend = OnnxBackend(m, TinyTokenizer(m.config.vocab_size, None), 1, bundle=bundles(2, 1), threads=threads,
+                          quiet=True)
+    prompt, tokens = [7, 1, 30, 12, 9], [5, 17, 3, 50, 41, 9, 60, 2, 33]
+
+    def after_prompt(passes):
+        backend.reset()
+        backend.deep(backend.shallow(prompt, 0), 0)
+        start, out = len(prompt), []
+        for chunk in passes:
+            out.append(backend.deep(backend.shallow(chunk, start), start))
+            start += len(chunk)
+        return torch.cat([o.logits for o in out]), torch.cat([o.hidden for o in out])
+
+    one_by_one = after_prompt([[t] for t in tokens])
+    for split in ([tokens[:1], tokens[1:]], [tokens[:4], tokens[4:]], [tokens]):
+        verified = after_prompt(split)
+        assert torch.equal(verified[0], one_by_one[0]) and torch.equal(verified[1], one_by_one[1]), split
+
+
 # -- export ---------------------------------------------------------------------------------------------------------
 @needs_ort
 def test_export_writes_a_validated_manifest(bundles):
