@@ -40,6 +40,7 @@ __all__ = [
     "tiny_backend",
     "set_eos",
     "hf_greedy",
+    "check_rows_exact",
     "ScriptedDrafter",
     "error_positions",
     "make_draft_step",
@@ -265,6 +266,39 @@ def hf_greedy(model: Any, prompt_ids: Sequence[int], max_new_tokens: int) -> lis
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
                              min_new_tokens=0, pad_token_id=0, eos_token_id=model.generation_config.eos_token_id)
     return out[0, len(prompt_ids):].tolist()
+
+
+def check_rows_exact(backend: Any, prompt: Sequence[int], tokens: Sequence[int],
+                     splits: Iterable[Sequence[int]] = ()) -> None:
+    """Assert that a backend's multi-position passes reproduce its one-position passes bit for bit.
+
+    After a prefill of ``prompt``, ``tokens`` go through one-position passes; then, for each split (chunk lengths,
+    e.g. ``(1, 7)``: a one-row pass then a 7-row verify pass), the same tokens go through passes of those sizes, and
+    the logits and final states of every row must be equal (``torch.equal``) to the one-position ones. This is what
+    makes Kangaroo equal the backend's own target alone by construction rather than up to near-ties.
+    """
+    import torch
+
+    def passes(chunks: Sequence[int]):
+        backend.reset()
+        backend.deep(backend.shallow(list(prompt), 0), 0)  # the prefill: the same pass either way
+        start, logits, hidden = len(prompt), [], []
+        for size in chunks:
+            out = backend.deep(backend.shallow(list(tokens[start - len(prompt): start - len(prompt) + size]), start),
+                               start)
+            logits.append(out.logits)
+            hidden.append(out.hidden)
+            start += size
+        return torch.cat(logits), torch.cat(hidden)
+
+    one_by_one = passes([1] * len(tokens))
+    for split in splits:
+        if sum(split) > len(tokens):
+            raise ValueError(f"split {tuple(split)} covers more than the {len(tokens)} tokens")
+        logits, hidden = passes(split)
+        for row in range(len(logits)):
+            assert torch.equal(logits[row], one_by_one[0][row]) and torch.equal(hidden[row], one_by_one[1][row]), (
+                f"split {tuple(split)}: row {row} differs from its one-position pass")
 
 
 def make_draft_step(probs: Sequence[float] | Any, index: int = 1):

@@ -244,25 +244,12 @@ def test_a_verify_pass_reproduces_one_position_passes_bit_for_bit(tiny_gguf, tmp
     one-position passes, at float32 and at int8 activations."""
     from kangaroo_backends.onnx_backend import OnnxBackend
     from kangaroo_backends.onnx_export import export_onnx
-    from kangaroo_core.testing import TinyTokenizer
+    from kangaroo_core.testing import TinyTokenizer, check_rows_exact
 
     model, path = tiny_gguf
     export_onnx(model, tmp_path / "b", exit_layer=1, weights="gguf", gguf_path=path, accuracy_level=level, quiet=True)
     backend = OnnxBackend(model, TinyTokenizer(96, None), 1, "tiny", bundle=tmp_path / "b", provider="cpu", threads=2)
-    prompt, tokens = [7, 1, 30], [5, 17, 3, 88, 41, 9, 60, 2]
-
-    def after_prompt(passes):
-        backend.reset()
-        backend.deep(backend.shallow(prompt, 0), 0)  # the prefill: the same pass either way
-        start, out = len(prompt), []
-        for chunk in passes:
-            out.append(backend.deep(backend.shallow(chunk, start), start))
-            start += len(chunk)
-        return torch.cat([o.logits for o in out]), torch.cat([o.hidden for o in out])
-
-    verified = after_prompt([tokens[:1], tokens[1:]])  # a one-row pass, then a 7-row verify pass
-    one_by_one = after_prompt([[t] for t in tokens])
-    assert torch.equal(verified[0], one_by_one[0]) and torch.equal(verified[1], one_by_one[1])
+    check_rows_exact(backend, [7, 1, 30], [5, 17, 3, 88, 41, 9, 60, 2], splits=[(1, 7)])  # one row, then a 7-row pass
 
 
 def test_int8_activations_draft_losslessly_and_an_older_4_bit_bundle_is_refused(tiny_gguf, tmp_path):
