@@ -31,8 +31,8 @@ static inline v16 exp16(v16 x) {
     const i16 under = x < -87.0f;  /* all ones where x underflows */
     x = (v16)(((i16)x & ~under) | ((i16)((v16){0} - 87.0f) & under));
     v16 t = x * 1.44269504088896341f;
-    v16 n;
-    for (int i = 0; i < 16; i++) n[i] = __builtin_rintf(t[i]);
+    /* round to nearest even (what rintf gives) with the 1.5 * 2^23 trick: one vector add and subtract, |t| < 2^22 */
+    v16 n = (t + 12582912.0f) - 12582912.0f;
     v16 r = x - n * 0.693359375f;
     r = r - n * -2.12194440e-4f;
     v16 p = (v16){0} + 1.9875691500e-4f;
@@ -42,8 +42,7 @@ static inline v16 exp16(v16 x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    i16 e;
-    for (int i = 0; i < 16; i++) e[i] = ((int)n[i] + 127) << 23;  /* 2^n, n in [-126, 0] here */
+    i16 e = (__builtin_convertvector(n, i16) + 127) << 23;  /* 2^n, n in [-126, 0] here */
     v16 y = p * (v16)e;
     return (v16)((i16)y & ~under);
 }
@@ -55,15 +54,15 @@ static void score_block(const float *q, long vectors, long rows, const float *k,
     long count = keys - j0 < 16 ? keys - j0 : 16;
     for (long t = 0; t < d; t++)
         for (long l = 0; l < 16; l++) kt[t * 16 + l] = l < count ? k[(j0 + l) * d + t] : 0.0f;
-    for (long a0 = 0; a0 < vectors; a0 += 4) {  /* four vectors at a time: four independent FMA chains */
-        const float *qa[4];
-        for (int x = 0; x < 4; x++) qa[x] = q + (a0 + x < vectors ? a0 + x : vectors - 1) * d;
-        v16 acc[4] = {{0}, {0}, {0}, {0}};
+    for (long a0 = 0; a0 < vectors; a0 += 8) {  /* eight vectors at a time: eight independent FMA chains */
+        const float *qa[8];
+        for (int x = 0; x < 8; x++) qa[x] = q + (a0 + x < vectors ? a0 + x : vectors - 1) * d;
+        v16 acc[8] = {{0}, {0}, {0}, {0}, {0}, {0}, {0}, {0}};
         for (long t = 0; t < d; t++) {
             v16 kv = load16(kt + t * 16);
-            for (int x = 0; x < 4; x++) acc[x] += qa[x][t] * kv;
+            for (int x = 0; x < 8; x++) acc[x] += qa[x][t] * kv;
         }
-        for (int x = 0; x < 4 && a0 + x < vectors; x++) {  /* vector a: query head kv * groups + a / rows, row a % rows */
+        for (int x = 0; x < 8 && a0 + x < vectors; x++) {  /* vector a: query head kv * groups + a / rows, row a % rows */
             long a = a0 + x;
             float extra[16] = {0};
             if (mask)
@@ -78,11 +77,19 @@ static void score_block(const float *q, long vectors, long rows, const float *k,
 /* One query vector's softmax and weighted sum of the values, over its scores s[keys] (padded to 16 with -inf). */
 static void weigh_values(float *s, const float *v, float *out, long keys, long d) {
     long padded = (keys + 15) & ~15L, t16 = d & ~15L;
-    float m = -INFINITY;
-    for (long j = 0; j < keys; j++) m = s[j] > m ? s[j] : m;
+    v16 mv = (v16){0} - INFINITY;  /* the maximum is exact in any order; 16 lanes, then across them */
+    for (long j = 0; j < padded; j += 16) {
+        v16 x = load16(s + j);
+        i16 more = x > mv;
+        mv = (v16)(((i16)x & more) | ((i16)mv & ~more));
+    }
+    float m = mv[0];
+    for (int l = 1; l < 16; l++) m = mv[l] > m ? mv[l] : m;
     for (long j = 0; j < padded; j += 16) store16(s + j, exp16(load16(s + j) - m));
+    /* the denominator strictly in key order (not per lane): a token tree hides siblings between a row's keys, and the
+     * row alone sees those keys packed together, so only a sequential sum adds the same floats in the same order */
     float total = 0.0f;
-    for (long j = 0; j < keys; j++) total += s[j];  /* in key order: hidden keys add exact zeros */
+    for (long j = 0; j < keys; j++) total += s[j];
     long t = 0;
     for (; t + 64 <= t16; t += 64) {  /* four 16-lane chunks at a time: four independent FMA chains */
         v16 acc[4] = {{0}, {0}, {0}, {0}};
