@@ -34,7 +34,7 @@ import torch
 from kangaroo_backends.loading import cache_dir, gguf_source, load_model
 from kangaroo_backends.families import SLIDING, sliding_window
 from kangaroo_backends.onnx_export import (BIAS_INPUTS, EXPORT_KEY, FORMAT, FORMAT_VERSION, GRAPHS, MANIFEST,
-                                           NBITS_ROWS, WEIGHTS, attention_bias, export_onnx, graph_io, import_onnxruntime)
+                                           NBITS_ROWS, NBITS_ROWS_AT_ONCE, WEIGHTS, attention_bias, export_onnx, graph_io, import_onnxruntime)
 from kangaroo_backends.torch_eager import check_start, describe_split_model
 from kangaroo_core.config import ConfigError, DecodeConfig
 from kangaroo_core.errors import OnnxModelError, ProviderError
@@ -117,9 +117,10 @@ def export_weights(manifest: dict) -> tuple[str, int]:
 
 def rows_exact(manifest: dict) -> bool:
     """Whether a pass over n positions reproduces n one-position passes bit for bit: float32 MatMuls always do
-    (measured, every n); 4-bit ones only when exported row by row (graph revision 3 on)."""
+    (measured, every n); 4-bit ones when exported row by row (graph revision 3 on) or, at int8 activations, with
+    rows at once (revision 4 on: that kernel computes each row alone)."""
     weights = manifest.get("weights", "float32")
-    return not isinstance(weights, dict) or weights.get("rows") == NBITS_ROWS
+    return not isinstance(weights, dict) or weights.get("rows") in (NBITS_ROWS, NBITS_ROWS_AT_ONCE)
 
 
 def _file_opset(path: Path, manifest: dict):
@@ -307,9 +308,10 @@ class OnnxBackend(Backend):
 
     @property
     def inexact_multi_position(self) -> str | None:
-        # measured: MatMulNBits' kernel for two or more rows differs from its one-row kernel in the last bits (and, at
-        # accuracy level 4, quantizes activations otherwise), so 4-bit graphs compute each row on its own
-        # (gguf_nbits.row_by_row); a 4-bit bundle exported before that cannot verify losslessly
+        # measured: at float32 activations MatMulNBits' kernel for two or more rows differs from its one-row kernel in
+        # the last bits, so those 4-bit graphs compute each row on its own (gguf_nbits.row_by_row); at int8
+        # activations (level 4) the kernel itself computes each row alone (gguf_nbits.rows_at_once); a 4-bit bundle
+        # exported before either cannot verify losslessly
         if self.rows_exact:
             return None
         return ("this 4-bit ONNX export multiplies several rows at once (MatMulNBits' multi-row kernel differs from "

@@ -50,16 +50,19 @@ from torch import nn
 from kangaroo_backends.families import FULL, SLIDING, family_of, layer_kinds, rotary_embeddings, sliding_window
 from kangaroo_backends.kv_cache import causal_mask
 from kangaroo_backends.gguf_nbits import ROWS as NBITS_ROWS
+from kangaroo_backends.gguf_nbits import ROWS_AT_ONCE as NBITS_ROWS_AT_ONCE
+from kangaroo_backends.gguf_nbits import rows_at_once
 from kangaroo_core.errors import MissingDependencyError, OnnxExportError
 
 MANIFEST = "manifest.json"
 FORMAT = "kangaroo-onnx"
 FORMAT_VERSION = 3
 #: how the graphs are written inside an unchanged interface (2: the lean attention of :class:`Attention`; 3: 4-bit
-#: products row by row, :func:`~kangaroo_backends.gguf_nbits.row_by_row`); recorded in the manifest and part of the
+#: products row by row, :func:`~kangaroo_backends.gguf_nbits.row_by_row`; 4: int8-activation graphs multiply all rows
+#: at once, :func:`~kangaroo_backends.gguf_nbits.rows_at_once`); recorded in the manifest and part of the
 #: export cache's key, so a cached export of an older revision is re-exported, while a bundle of an older revision
 #: still loads (same inputs and outputs; an older 4-bit bundle runs the target alone only)
-GRAPH_REVISION = 3
+GRAPH_REVISION = 4
 #: the export cache's directory name under ``onnx/``
 EXPORT_KEY = f"v{FORMAT_VERSION}.{GRAPH_REVISION}"
 DEFAULT_OPSET = 17
@@ -495,7 +498,8 @@ def export_onnx(model, out_dir: str | os.PathLike, *, exit_layer: int, fingerpri
             quantized, prefill = None, {}
             if nbits is not None:
                 lossy = tolerance if accuracy_level <= 1 else LOSSY_TOLERANCE
-                if name != "head":  # the prefill's own graph: its rows multiplied at once (see gguf_nbits.row_by_row)
+                one_by_one = not rows_at_once(accuracy_level)
+                if name != "head" and one_by_one:  # the prefill's own graph: rows at once (see gguf_nbits.row_by_row)
                     prefill_file = tmp / f"{name}.prefill.onnx"
                     shutil.copyfile(file, prefill_file)
                     _quantize(prefill_file, name, model, nbits, exit_layer, num_layers, accuracy_level,
@@ -503,7 +507,8 @@ def export_onnx(model, out_dir: str | os.PathLike, *, exit_layer: int, fingerpri
                     check_tolerance(f"{name} (prefill)", validate_outputs(prefill_file, inputs,
                                                                           _cases(name, model, exit_layer)), lossy)
                     prefill = {"prefill_file": prefill_file.name}
-                quantized = _quantize(file, name, model, nbits, exit_layer, num_layers, accuracy_level)
+                quantized = _quantize(file, name, model, nbits, exit_layer, num_layers, accuracy_level,
+                                      rows_one_by_one=one_by_one)
                 check = validate_outputs(file, inputs, _cases(name, model, exit_layer))
                 limit = check_tolerance(name, check, lossy)
             graphs[name] = {
@@ -522,7 +527,8 @@ def export_onnx(model, out_dir: str | os.PathLike, *, exit_layer: int, fingerpri
             "opset": opset,
             "dtype": "float32",
             "weights": weights if nbits is None else {"format": "gguf-matmulnbits", "gguf_file": Path(gguf_path).name,
-                                                      "accuracy_level": int(accuracy_level), "rows": NBITS_ROWS},
+                                                      "accuracy_level": int(accuracy_level),
+                                                      "rows": NBITS_ROWS_AT_ONCE if rows_at_once(accuracy_level) else NBITS_ROWS},
             "kv_layout": "[batch, seq, kv_heads, head_dim]; graphs return the new positions' KV only",
             "model_name": model_name,
             "base_model_fingerprint": fingerprint,

@@ -107,19 +107,22 @@ class _OnnxEngine:
 
     provider = "auto"
     weights = "float32"  # "gguf": the GGUF file's own blocks as MatMulNBits (float32 activations)
+    accuracy_level = None  # with weights "gguf": 4 = int8 activations (lossy by choice); None = the backend's default
 
     def onnx_backend(self, context: BenchContext):
         from kangaroo_backends.onnx_backend import OnnxBackend
 
         base = context.backend
-        if base.runtime == "onnxruntime" and getattr(base, "weights", "float32") == self.weights:
+        if (base.runtime == "onnxruntime" and getattr(base, "weights", "float32") == self.weights
+                and self.accuracy_level in (None, getattr(base, "accuracy_level", None))):
             return base
         if context.model is None:
             raise KangarooError(f"{self.name} needs a backend holding the transformers model to export")
         return context.shared_backend(  # one backend (and export) per weights for the whole run
-            ("onnx", self.provider, self.weights),
+            ("onnx", self.provider, self.weights, self.accuracy_level),
             lambda: OnnxBackend(context.model, context.tokenizer, base.exit_layer, base.model_name,
-                                provider=self.provider, threads=_threads(), weights=self.weights))
+                                provider=self.provider, threads=_threads(), weights=self.weights,
+                                accuracy_level=self.accuracy_level))
 
 
 class VanillaOnnx(_OnnxEngine, EngineMethod):
@@ -185,6 +188,22 @@ class KangarooOnnxGguf(KangarooOnnx):
     weights = "gguf"
 
 
+class VanillaOnnxGgufInt8(VanillaOnnxGguf):
+    """The target alone on the GGUF file's own blocks with int8 activations (accuracy level 4: lossy by choice)."""
+
+    name = "vanilla_onnx_gguf_int8"
+    rank = 8
+    accuracy_level = 4
+
+
+class KangarooOnnxGgufInt8(KangarooOnnxGguf):
+    """Kangaroo on the GGUF file's own blocks with int8 activations; identical to ``vanilla_onnx_gguf_int8``."""
+
+    name = "kangaroo_onnx_gguf_int8"
+    rank = 9
+    accuracy_level = 4
+
+
 @hookimpl
 def register_bench_methods(register):
     register("ort_vanilla", ORTVanilla)
@@ -194,3 +213,5 @@ def register_bench_methods(register):
     register("kangaroo_onnx_tree", KangarooOnnxTree)
     register("vanilla_onnx_gguf", VanillaOnnxGguf)
     register("kangaroo_onnx_gguf", KangarooOnnxGguf)
+    register("vanilla_onnx_gguf_int8", VanillaOnnxGgufInt8)
+    register("kangaroo_onnx_gguf_int8", KangarooOnnxGgufInt8)

@@ -10,6 +10,7 @@ import torch
 
 pytest.importorskip("onnxruntime")
 gguf = pytest.importorskip("gguf")
+onnx = pytest.importorskip("onnx")
 
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 from gguf import quants  # noqa: E402
@@ -17,6 +18,7 @@ from gguf import quants  # noqa: E402
 from kangaroo_backends.gguf_nbits import (  # noqa: E402
     LLAMA_NAMES,
     ROWS,
+    ROWS_AT_ONCE,
     UnsupportedQuantization,
     from_gguf_blocks,
     read_linear_weights,
@@ -239,22 +241,30 @@ def test_a_gguf_with_an_unmapped_type_is_refused(tiny_gguf, tmp_path):
 
 @pytest.mark.parametrize("level", [1, 4])
 def test_a_verify_pass_reproduces_one_position_passes_bit_for_bit(tiny_gguf, tmp_path, level):
-    """MatMulNBits' multi-row kernel differs from its one-row kernel in the last bits (level 1) or quantizes the
-    activations otherwise (level 4); the row-by-row graphs make a pass over n positions give exactly the logits of n
-    one-position passes, at float32 and at int8 activations."""
+    """At float32 activations (level 1) MatMulNBits' multi-row kernel differs from its one-row kernel in the last
+    bits, so those graphs go row by row; at int8 activations (level 4) the kernel computes each row alone, so those
+    graphs multiply all rows at once (no Scan, no prefill graph). Either way a pass over n positions gives exactly the
+    logits of n one-position passes."""
     from kangaroo_backends.onnx_backend import OnnxBackend
     from kangaroo_backends.onnx_export import export_onnx
     from kangaroo_core.testing import TinyTokenizer, check_rows_exact
 
     model, path = tiny_gguf
-    export_onnx(model, tmp_path / "b", exit_layer=1, weights="gguf", gguf_path=path, accuracy_level=level, quiet=True)
+    manifest = export_onnx(model, tmp_path / "b", exit_layer=1, weights="gguf", gguf_path=path, accuracy_level=level,
+                           quiet=True)
+    at_once = level == 4
+    assert (manifest["weights"]["rows"] == ROWS_AT_ONCE) is at_once
+    assert all(("prefill_file" in graph) is (name != "head" and not at_once) for name, graph in manifest["graphs"].items())
+    scans = [node for node in onnx.load(str(tmp_path / "b" / "deep.onnx")).graph.node if node.op_type == "Scan"]
+    assert bool(scans) is not at_once
     backend = OnnxBackend(model, TinyTokenizer(96, None), 1, "tiny", bundle=tmp_path / "b", provider="cpu", threads=2)
     check_rows_exact(backend, [7, 1, 30], [5, 17, 3, 88, 41, 9, 60, 2], splits=[(1, 7)])  # one row, then a 7-row pass
+    check_rows_exact(backend, [7, 1, 30], [5, 17, 3, 88, 41, 9, 60, 2], splits=[(8,)])  # the prefill's pass too
 
 
 def test_int8_activations_draft_losslessly_and_an_older_4_bit_bundle_is_refused(tiny_gguf, tmp_path):
-    """At accuracy level 4 Kangaroo is token-identical to that backend's own target alone (rows are computed one by
-    one); a 4-bit bundle whose manifest does not say so (exported before) runs the target alone and refuses drafters
+    """At accuracy level 4 Kangaroo is token-identical to that backend's own target alone (the int8 kernel computes
+    each row alone); a 4-bit bundle whose manifest does not say so (exported before) runs the target alone and refuses drafters
     in one line."""
     from kangaroo_backends.onnx_backend import OnnxBackend
     from kangaroo_backends.onnx_export import export_onnx
