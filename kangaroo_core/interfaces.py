@@ -429,6 +429,10 @@ class BenchMethod(abc.ABC):
     name: str = ""
     #: Where the method's column goes in tables (lower first; ties by name).
     rank: int = 100
+    #: Registered name of the method that runs this method's backend with no drafter ("" for none). When both run,
+    #: the bench reports whether every turn equals that target alone: the losslessness check that still applies
+    #: where the backend itself differs from transformers by design (int8 activations, other dtypes).
+    target_alone: str = ""
 
     @classmethod
     def create(cls, config: "DecodeConfig", **options: Any) -> "BenchMethod":

@@ -135,6 +135,7 @@ class KangarooMethod(EngineMethod):
 
     name = "kangaroo"
     rank = 4
+    target_alone = "vanilla"
     #: the drafter plugin (None: the run's ``--drafter``)
     drafter: str | None = None
 

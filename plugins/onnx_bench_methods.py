@@ -142,6 +142,7 @@ class KangarooOnnx(_OnnxEngine, KangarooMethod):
     """Our engine on onnxruntime with drafting (the adapter exported into the same bundle)."""
 
     name = "kangaroo_onnx"
+    target_alone = "vanilla_onnx"
     rank = 7
 
     def __init__(self, provider: str = "auto", **options: Any):
@@ -184,6 +185,7 @@ class KangarooOnnxGguf(KangarooOnnx):
     """Kangaroo on onnxruntime with the GGUF file's own 4/8-bit weights (the adapter graph stays float32)."""
 
     name = "kangaroo_onnx_gguf"
+    target_alone = "vanilla_onnx_gguf"
     rank = 9
     weights = "gguf"
 
@@ -200,6 +202,7 @@ class KangarooOnnxGgufInt8(KangarooOnnxGguf):
     """Kangaroo on the GGUF file's own blocks with int8 activations; identical to ``vanilla_onnx_gguf_int8``."""
 
     name = "kangaroo_onnx_gguf_int8"
+    target_alone = "vanilla_onnx_gguf_int8"
     rank = 9
     accuracy_level = 4
 

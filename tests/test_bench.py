@@ -114,6 +114,56 @@ def test_every_greedy_method_is_identical_to_hf_vanilla(smoke):
         assert all(s["identical_to_vanilla"] is True for s in entry["per_subtask"].values()), name
 
 
+def test_drafting_methods_are_checked_against_their_own_target_alone(smoke):
+    """kangaroo runs the backend of `vanilla`, kangaroo_onnx that of `vanilla_onnx`: both pairs ran, so the bench
+    says per scope whether every turn equals the target alone; methods without a target alone say nothing."""
+    out, results = smoke
+    for name in ("kangaroo", "kangaroo_hybrid", "kangaroo_tree", "kangaroo_onnx", "kangaroo_onnx_hybrid"):
+        entry = results["methods"][name]
+        assert entry["overall"]["identical_to_target_alone"] is True, name
+        assert all(s["identical_to_target_alone"] is True for s in entry["per_subtask"].values()), name
+    assert results["methods"]["hf_vanilla"]["overall"]["identical_to_target_alone"] is None
+    assert "= its target alone" in (out / "results.md").read_text()
+
+
+class Scripted(BenchMethod):
+    """Answers every turn with fixed tokens (a stand-in for a method's output, not for a model)."""
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def prepare(self, context):
+        pass
+
+    def run(self, messages, max_new_tokens):
+        return MethodResult(list(self.tokens), 0.01)
+
+
+def test_a_method_differing_from_its_target_alone_is_reported():
+    from types import SimpleNamespace
+
+    from kangaroo_core.bench.harness import run_bench, summarize
+    from kangaroo_core.bench.questions import Question
+
+    def method(name, tokens, target_alone=""):
+        m = Scripted(tokens)
+        m.name, m.target_alone = name, target_alone
+        return m
+
+    context = SimpleNamespace(config=SimpleNamespace(sampling=SimpleNamespace(greedy=True)),
+                              tokenizer=SimpleNamespace(decode=lambda ids, skip_special_tokens=True: "answer"))
+    methods = [("hf_vanilla", method("hf_vanilla", [1, 2, 3])),
+               ("alone", method("alone", [1, 2, 4])),  # differs from transformers by design (int8, say)
+               ("same", method("same", [1, 2, 4], target_alone="alone")),
+               ("broken", method("broken", [1, 2, 5], target_alone="alone")),
+               ("orphan", method("orphan", [1, 2, 4], target_alone="not_in_this_run"))]
+    run = run_bench(context, methods, [Question("1", "qa", ("q",))], max_new_tokens=3, warmup=False, progress=False)
+    overall = {label: entry["overall"] for label, entry in summarize(run)["methods"].items()}
+    assert overall["same"]["identical_to_target_alone"] is True and overall["same"]["identical_to_vanilla"] is False
+    assert overall["broken"]["identical_to_target_alone"] is False
+    assert overall["orphan"]["identical_to_target_alone"] is None and overall["alone"]["identical_to_target_alone"] is None
+
+
 def test_speedup_is_the_tokens_per_second_ratio_to_hf_vanilla(smoke):
     _, results = smoke
     ref = results["methods"]["hf_vanilla"]

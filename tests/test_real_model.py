@@ -169,6 +169,34 @@ def test_the_gguf_file_s_own_4_bit_weights_on_onnxruntime(smollm, references):
     assert backend.manifest["weights"]["format"] == "gguf-matmulnbits"
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int8_activations_verify_all_rows_at_once_and_exactly_on_the_real_model(smollm, references, threads):
+    """At accuracy level 4 the 4-bit graphs multiply all rows in one MatMulNBits call (its int8 kernel computes each
+    row alone): on SmolLM2 a verify pass of n = 2..16 rows reproduces one-position passes bit for bit, and Kangaroo is
+    token-identical to this backend's own target alone (int8 activations are lossy against transformers, by choice)."""
+    pytest.importorskip("onnxruntime")
+    import random
+
+    from kangaroo_backends.gguf_nbits import ROWS_AT_ONCE
+    from kangaroo_backends.onnx_backend import OnnxBackend
+    from kangaroo_core.testing import check_rows_exact
+
+    model, tokenizer, name = smollm
+    backend = OnnxBackend(model, tokenizer, 2, name, provider="cpu", weights="gguf", accuracy_level=4, threads=threads,
+                          quiet=True)
+    rng = random.Random(2)
+    ids = [rng.randrange(backend.vocab_size) for _ in range(146)]
+    check_rows_exact(backend, ids[:130], ids[130:], splits=[(n,) for n in (2, 3, 5, 8, 16)] + [(1, 7, 8)])
+    assert backend.manifest["weights"]["rows"] == ROWS_AT_ONCE
+    config = DecodeConfig(exit_layer=2, max_new_tokens=NEW_TOKENS)
+    for prompt in PROMPTS[:2]:
+        prompt_ids, _ = references[prompt]
+        alone = Engine(backend, None, ThresholdPolicy(), GreedyVerifier(), config).generate_ids(prompt_ids)
+        drafted = Engine(backend, KangarooDrafter(), ThresholdPolicy(), GreedyVerifier(), config).generate_ids(prompt_ids)
+        assert drafted.token_ids == alone.token_ids, prompt
+        assert drafted.mean_accepted_tokens > 1.2
+
+
 def test_token_trees_on_onnxruntime_match_the_target_alone(smollm, references):
     """The float32 onnx backend verifies token trees with the same graphs as chains: with the shipped adapter, the
     default tree and a wide EAGLE-2 tree are token-identical to that backend's target alone (and to transformers up

@@ -26,7 +26,7 @@ REFERENCE = "hf_vanilla"
 CTAR_WINDOWS = 6
 #: The keys every per-subtask / overall entry of results.json has.
 METRIC_KEYS = ("new_tokens", "seconds", "tokens_per_second", "mean_accepted_tokens", "ctar", "identical_to_vanilla",
-               "mean_drafted", "draft_share", "verify_share", "runs")
+               "identical_to_target_alone", "mean_drafted", "draft_share", "verify_share", "runs")
 
 
 @attrs.frozen
@@ -47,6 +47,8 @@ class Record:
     repeat: int
     result: MethodResult
     identical: bool | None
+    #: equal to the method's own target alone (``BenchMethod.target_alone``) on this turn; None: not in the run
+    same_as_target_alone: bool | None = None
 
 
 @attrs.define
@@ -119,6 +121,11 @@ def run_bench(context: BenchContext, methods: list[tuple[str, BenchMethod]], que
                     errors[label] = f"warm-up: {_one_line(exc)}"
 
     greedy = context.config.sampling.greedy
+    by_name = {}
+    for label, method in methods:
+        by_name.setdefault(method.name, label)
+    target_alone = {label: by_name[method.target_alone] for label, method in methods
+                    if getattr(method, "target_alone", "") in by_name and by_name[method.target_alone] != label}
     reference_tokens: dict[tuple[str, int], list[int]] = {}
     records: list[Record] = []
     total = sum(len(q.turns) for q in questions) * len(labels) * repeats
@@ -147,8 +154,10 @@ def run_bench(context: BenchContext, methods: list[tuple[str, BenchMethod]], que
                     for label, result in results.items():
                         ref = reference_tokens.get(key)
                         identical = (result.token_ids == ref) if greedy and ref is not None else None
+                        alone = results.get(target_alone.get(label, ""))
+                        same = (result.token_ids == alone.token_ids) if greedy and alone is not None else None
                         records.append(Record(label, question.subtask, question.question_id, turn, repeat, result,
-                                              identical))
+                                              identical, same))
                     # the conversation continues with the reference's answer (else the first method that answered)
                     source = next((l for l in [REFERENCE, *labels] if l in results), None)
                     if source is None:
@@ -182,6 +191,8 @@ def metrics(records: Sequence[Record], greedy: bool) -> dict[str, Any]:
         out["mean_accepted_tokens"] = generated / sum(r.target_passes for r in results)
     if greedy and results and all(r.identical is not None for r in records):
         out["identical_to_vanilla"] = all(r.identical for r in records)
+    if greedy and results and all(r.same_as_target_alone is not None for r in records):
+        out["identical_to_target_alone"] = all(r.same_as_target_alone for r in records)
     return out
 
 

@@ -61,7 +61,7 @@ def results_markdown(summary: dict[str, Any], subtasks: list[str], info: dict[st
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += ["", "## Details (overall)", ""]
     header = ["Method", "new tokens", "seconds", "tokens/s", "CR", f"CTAR(1..{CTAR_WINDOWS})", "drafts/round",
-              "draft / verify time", "identical"]
+              "draft / verify time", "identical", "= its target alone"]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "|".join(["---"] + ["---:"] * (len(header) - 2) + ["---"]) + "|")
     for label, entry in methods.items():
@@ -71,10 +71,12 @@ def results_markdown(summary: dict[str, Any], subtasks: list[str], info: dict[st
                  else "–")
         lines.append(f"| {label} | {o['new_tokens']} | {_fmt(o['seconds'])} | {_fmt(o['tokens_per_second'], '.1f')} | "
                      f"{_fmt(o['mean_accepted_tokens'])} | {ctar} | {_fmt(o['mean_drafted'])} | {split} | "
-                     f"{_yes(o['identical_to_vanilla'])} |")
+                     f"{_yes(o['identical_to_vanilla'])} | {_yes(o.get('identical_to_target_alone'))} |")
     lines += ["", "CR: mean tokens emitted per full target (verification) pass; for the transformers methods, new tokens "
               "per full-depth forward pass (prefill included). CTAR(w): share of verify rounds whose first w drafts "
-              "were all accepted. Draft / verify time: share of the decode loop spent drafting vs verifying."]
+              "were all accepted. Draft / verify time: share of the decode loop spent drafting vs verifying. "
+              "= its target alone: every turn equals the same backend's target alone (a method whose `target_alone` "
+              "ran too; lossless by construction even where that backend differs from transformers by design)."]
     errors = {label: e["error"] for label, e in methods.items() if e["error"]}
     if errors:
         lines += ["", "## Errors", ""] + [f"- `{label}`: {error}" for label, error in errors.items()]
