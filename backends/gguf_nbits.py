@@ -208,6 +208,28 @@ def row_by_row(helper, inputs: list[str], attributes: dict, y: str, stem: str, k
             helper.make_node("Unsqueeze", [f"{stem}.ys", f"{stem}.axis0"], [y])]
 
 
+def stacked(weights: list[NBitsWeight]) -> NBitsWeight | None:
+    """The weights of several products of one input as one [ΣN, K] weight (rows stacked in order), or None when
+    their formats differ. Each output column is still its own row's blocks, so the stacked product's columns are the
+    separate products' (onnxruntime computes every column alone; the exported graphs are validated either way)."""
+    first = weights[0]
+    same = all(w.gguf_type == first.gguf_type and w.bits == first.bits and w.k == first.k
+               and (w.zero_points is None) == (first.zero_points is None) and (w.mins is None) == (first.mins is None)
+               for w in weights)
+    if len(weights) < 2 or not same:
+        return None
+
+    def cat(arrays):
+        return np.ascontiguousarray(np.concatenate(arrays, axis=0))
+
+    return NBitsWeight(
+        name="+".join(w.name for w in weights), gguf_type=first.gguf_type, bits=first.bits,
+        n=sum(w.n for w in weights), k=first.k, codes=cat([w.codes for w in weights]),
+        scales=cat([w.scales for w in weights]),
+        zero_points=None if first.zero_points is None else cat([w.zero_points for w in weights]),
+        mins=None if first.mins is None else cat([w.mins for w in weights]))
+
+
 def quantize_graph(path: str | Path, model, weights: dict[str, NBitsWeight], *, accuracy_level: int = 0,
                    rows_one_by_one: bool = True) -> dict:
     """Replace, in the ONNX file at ``path``, every ``MatMul`` by a float32 weight of ``model`` that ``weights`` holds
@@ -218,6 +240,8 @@ def quantize_graph(path: str | Path, model, weights: dict[str, NBitsWeight], *, 
     file's weights, float32 activations); 4 quantizes activations to int8 per block (faster, lossy).
     ``rows_one_by_one`` computes every product row by row (:func:`row_by_row`), so a pass over n positions reproduces
     n one-position passes; without it (the prefill graph) the rows are multiplied at once.
+    Products of the same input (q/k/v, gate/up) become one ``MatMulNBits`` over their stacked blocks and a ``Split``
+    (:func:`stacked`): a one-token pass is ~2,000 small onnxruntime nodes, and each costs microseconds of dispatch.
     """
     import onnx
     from onnx import helper, numpy_helper
@@ -229,42 +253,65 @@ def quantize_graph(path: str | Path, model, weights: dict[str, NBitsWeight], *, 
     proto = onnx.load(str(path))
     graph = proto.graph
     initializers = {init.name: init for init in graph.initializer}
-    counts: dict[str, int] = {}
-    new_inits, nodes = [], []
-    for node in graph.node:
+    found: dict[int, NBitsWeight] = {}  # node index -> its weight
+    for index, node in enumerate(graph.node):
         init = initializers.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
-        found = by_digest.get(_digest(numpy_helper.to_array(init))) if init is not None and len(init.dims) == 2 else None
-        if found is None:
-            nodes.append(node)
+        hit = by_digest.get(_digest(numpy_helper.to_array(init))) if init is not None and len(init.dims) == 2 else None
+        if hit is None:
             continue
-        name, weight = found
+        name, weight = hit
         if tuple(init.dims) != (weight.k, weight.n):
             raise UnsupportedQuantization(f"{path}: weight {name} has shape {tuple(init.dims)} in the graph, "
                                           f"[{weight.k}, {weight.n}] in the GGUF file")
-        stem = f"nbits.{name}"
-        new_inits += [numpy_helper.from_array(weight.codes, f"{stem}.codes"),
-                      numpy_helper.from_array(weight.scales, f"{stem}.scales")]
-        inputs = [node.input[0], f"{stem}.codes", f"{stem}.scales"]
+        found[index] = weight
+    by_input: dict[str, list[int]] = {}
+    for index in found:
+        by_input.setdefault(graph.node[index].input[0], []).append(index)
+    counts: dict[str, int] = {}
+    new_inits, nodes = [], []
+
+    def emit(x: str, weight: NBitsWeight, outputs: list[str], splits: list[int]) -> None:
+        """MatMulNBits (+ Q4_1's minimum term) of ``x`` by ``weight``, into ``outputs`` (split along N by ``splits``)."""
+        stem = f"nbits.{weight.name}"
+        new_inits.extend([numpy_helper.from_array(weight.codes, f"{stem}.codes"),
+                          numpy_helper.from_array(weight.scales, f"{stem}.scales")])
+        inputs = [x, f"{stem}.codes", f"{stem}.scales"]
         if weight.zero_points is not None:
             new_inits.append(numpy_helper.from_array(weight.zero_points, f"{stem}.zero_points"))
             inputs.append(f"{stem}.zero_points")
-        product = list(node.output) if weight.mins is None else [f"{stem}.scaled"]
+        whole = outputs[0] if len(outputs) == 1 else f"{stem}.stacked"
+        product = whole if weight.mins is None else f"{stem}.scaled"
         attributes = dict(K=weight.k, N=weight.n, bits=weight.bits, block_size=BLOCK, accuracy_level=int(accuracy_level))
         if rows_one_by_one:
             new_inits.append(numpy_helper.from_array(np.array([0], dtype=np.int64), f"{stem}.axis0"))
-            nodes += row_by_row(helper, inputs, attributes, product[0], stem, weight.k, weight.n)
+            nodes.extend(row_by_row(helper, inputs, attributes, product, stem, weight.k, weight.n))
         else:
-            nodes.append(helper.make_node("MatMulNBits", inputs, product, name=f"{stem}.nbits", domain="com.microsoft",
+            nodes.append(helper.make_node("MatMulNBits", inputs, [product], name=f"{stem}.nbits", domain="com.microsoft",
                                           **attributes))
         if weight.mins is not None:  # + m · (sum of x over each block): [1, n, K] -> [1, n, K/32] @ [K/32, N]
-            new_inits += [numpy_helper.from_array(np.array([0, 0, weight.blocks, BLOCK], dtype=np.int64), f"{stem}.split"),
-                          numpy_helper.from_array(np.array([-1], dtype=np.int64), f"{stem}.last"),
-                          numpy_helper.from_array(np.ascontiguousarray(weight.mins.T), f"{stem}.mins")]
-            nodes += [helper.make_node("Reshape", [node.input[0], f"{stem}.split"], [f"{stem}.blocked"]),
-                      helper.make_node("ReduceSum", [f"{stem}.blocked", f"{stem}.last"], [f"{stem}.sums"], keepdims=0),
-                      helper.make_node("MatMul", [f"{stem}.sums", f"{stem}.mins"], [f"{stem}.offset"]),
-                      helper.make_node("Add", [f"{stem}.scaled", f"{stem}.offset"], list(node.output))]
-        counts[weight.gguf_type] = counts.get(weight.gguf_type, 0) + 1
+            new_inits.extend([
+                numpy_helper.from_array(np.array([0, 0, weight.blocks, BLOCK], dtype=np.int64), f"{stem}.split"),
+                numpy_helper.from_array(np.array([-1], dtype=np.int64), f"{stem}.last"),
+                numpy_helper.from_array(np.ascontiguousarray(weight.mins.T), f"{stem}.mins")])
+            nodes.extend([helper.make_node("Reshape", [x, f"{stem}.split"], [f"{stem}.blocked"]),
+                          helper.make_node("ReduceSum", [f"{stem}.blocked", f"{stem}.last"], [f"{stem}.sums"], keepdims=0),
+                          helper.make_node("MatMul", [f"{stem}.sums", f"{stem}.mins"], [f"{stem}.offset"]),
+                          helper.make_node("Add", [f"{stem}.scaled", f"{stem}.offset"], [whole])])
+        if len(outputs) > 1:
+            new_inits.append(numpy_helper.from_array(np.array(splits, dtype=np.int64), f"{stem}.parts"))
+            nodes.append(helper.make_node("Split", [whole, f"{stem}.parts"], outputs, axis=-1))
+
+    for index, node in enumerate(graph.node):
+        if index not in found:
+            nodes.append(node)
+            continue
+        group = by_input[node.input[0]]
+        merged = stacked([found[i] for i in group])
+        if merged is None:  # alone (or formats that cannot stack): its own product
+            emit(node.input[0], found[index], list(node.output), [])
+        elif index == group[0]:  # the whole group at its first member (they all read the same input)
+            emit(node.input[0], merged, [graph.node[i].output[0] for i in group], [found[i].n for i in group])
+        counts[found[index].gguf_type] = counts.get(found[index].gguf_type, 0) + 1
     used = {i for node in nodes for i in node.input}
     kept = [init for init in graph.initializer if init.name in used]
     del graph.node[:]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -124,6 +125,22 @@ def tiny_gguf(tmp_path_factory):
     return model, path
 
 
+def test_products_of_one_input_stack_into_one_weight(tiny_gguf):
+    """q/k/v (and gate/up) stack into one [ΣN, K] weight whose dequantization is theirs, row block by row block;
+    weights of different formats do not stack."""
+    from kangaroo_backends.gguf_nbits import stacked
+
+    model, path = tiny_gguf
+    weights = read_linear_weights(path, model.config)
+    parts = [weights[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"]
+    merged = stacked(parts)
+    assert merged is not None and merged.n == sum(p.n for p in parts) and merged.k == parts[0].k
+    assert np.array_equal(merged.dequantize(), np.concatenate([p.dequantize() for p in parts]))
+    assert stacked(parts[:1]) is None
+    other = attrs.evolve(parts[1], gguf_type="Q8_0", bits=8, mins=None)
+    assert stacked([parts[0], other]) is None
+
+
 def test_read_linear_weights_matches_the_dequantized_model(tiny_gguf):
     model, path = tiny_gguf
     weights = read_linear_weights(path, model.config)
@@ -156,12 +173,15 @@ def test_gguf_export_replaces_every_linear_layer(gguf_bundle):
     for name in ("shallow", "deep"):
         graph = onnx.load(str(out / f"{name}.onnx")).graph
         ops = [n.op_type for n in graph.node]
+        layers = counts[name] // 7
+        products = 4 * layers  # q/k/v stacked into one product, o, gate/up stacked, down
+        assert ops.count("Split") == 2 * layers
         assert "MatMulNBits" not in ops  # every product row by row, inside a Scan
         bodies = [a.g for n in graph.node if n.op_type == "Scan" for a in n.attribute if a.name == "body"]
-        assert [[n.op_type for n in body.node] for body in bodies] == [["Unsqueeze", "MatMulNBits", "Squeeze"]] * counts[name]
+        assert [[n.op_type for n in body.node] for body in bodies] == [["Unsqueeze", "MatMulNBits", "Squeeze"]] * products
         assert manifest["graphs"][name]["prefill_file"] == f"{name}.prefill.onnx"  # the prefill: rows at once
         prefill_ops = [n.op_type for n in onnx.load(str(out / f"{name}.prefill.onnx")).graph.node]
-        assert prefill_ops.count("MatMulNBits") == counts[name] and "Scan" not in prefill_ops
+        assert prefill_ops.count("MatMulNBits") == products and "Scan" not in prefill_ops
         assert not [i for i in graph.initializer if len(i.dims) == 2 and i.dims[0] * i.dims[1] >= 64 * 64
                     and i.data_type == 1 and name != "shallow"]  # no float32 weight matrix left (shallow: embedding)
 
