@@ -126,16 +126,17 @@ def plot_speedup(summary: dict[str, Any], subtasks: list[str], path: Path) -> Pa
     plt = _pyplot()
     scopes = [*subtasks, "overall"]
     labels = [label for label, e in summary["methods"].items() if not e["error"]]
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(scopes) + 2), 4.0))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(scopes) + 2) + 2.2, 4.0))
     width = 0.8 / max(1, len(labels))
     for i, label in enumerate(labels):
         values = [summary["speedup"][label].get(s) or 0.0 for s in scopes]
-        ax.bar([x + i * width - 0.4 + width / 2 for x in range(len(scopes))], values, width, label=label)
+        color = plt.get_cmap("tab20")(i % 20) if len(labels) > 10 else None  # the default cycle repeats after 10
+        ax.bar([x + i * width - 0.4 + width / 2 for x in range(len(scopes))], values, width, label=label, color=color)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(scopes)))
     ax.set_xticklabels([_title(s) for s in scopes])
     ax.set_ylabel(f"speedup vs {_baseline(summary)} (tokens/s ratio)")
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, never over them
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
