@@ -161,6 +161,7 @@ def test_a_method_differing_from_its_target_alone_is_reported():
     overall = {label: entry["overall"] for label, entry in summarize(run)["methods"].items()}
     assert overall["same"]["identical_to_target_alone"] is True and overall["same"]["identical_to_vanilla"] is False
     assert overall["broken"]["identical_to_target_alone"] is False
+    assert (overall["same"]["identical_turns"], overall["hf_vanilla"]["identical_turns"], overall["same"]["runs"]) == (0, 1, 1)
     assert overall["orphan"]["identical_to_target_alone"] is None and overall["alone"]["identical_to_target_alone"] is None
 
 

@@ -26,7 +26,7 @@ REFERENCE = "hf_vanilla"
 CTAR_WINDOWS = 6
 #: The keys every per-subtask / overall entry of results.json has.
 METRIC_KEYS = ("new_tokens", "seconds", "tokens_per_second", "mean_accepted_tokens", "ctar", "identical_to_vanilla",
-               "identical_to_target_alone", "mean_drafted", "draft_share", "verify_share", "runs")
+               "identical_turns", "identical_to_target_alone", "mean_drafted", "draft_share", "verify_share", "runs")
 
 
 @attrs.frozen
@@ -191,6 +191,7 @@ def metrics(records: Sequence[Record], greedy: bool) -> dict[str, Any]:
         out["mean_accepted_tokens"] = generated / sum(r.target_passes for r in results)
     if greedy and results and all(r.identical is not None for r in records):
         out["identical_to_vanilla"] = all(r.identical for r in records)
+        out["identical_turns"] = sum(bool(r.identical) for r in records)  # of `runs`: how often, not only whether
     if greedy and results and all(r.same_as_target_alone is not None for r in records):
         out["identical_to_target_alone"] = all(r.same_as_target_alone for r in records)
     return out

@@ -25,6 +25,13 @@ def _yes(value: bool | None) -> str:
     return "n/a" if value is None else "yes" if value else "**NO**"
 
 
+def _identical(overall: dict[str, Any]) -> str:
+    """"yes" / "**NO** (k of n turns)" / "n/a": identical to the reference, and how often where not always."""
+    if overall["identical_to_vanilla"] is False and overall.get("identical_turns") is not None:
+        return f"**NO** ({overall['identical_turns']} of {overall['runs']} turns)"
+    return _yes(overall["identical_to_vanilla"])
+
+
 def _baseline(summary: dict[str, Any]) -> str:
     """The method the speedups are relative to."""
     return summary.get("baseline", REFERENCE)
@@ -71,7 +78,7 @@ def results_markdown(summary: dict[str, Any], subtasks: list[str], info: dict[st
                  else "–")
         lines.append(f"| {label} | {o['new_tokens']} | {_fmt(o['seconds'])} | {_fmt(o['tokens_per_second'], '.1f')} | "
                      f"{_fmt(o['mean_accepted_tokens'])} | {ctar} | {_fmt(o['mean_drafted'])} | {split} | "
-                     f"{_yes(o['identical_to_vanilla'])} | {_yes(o.get('identical_to_target_alone'))} |")
+                     f"{_identical(o)} | {_yes(o.get('identical_to_target_alone'))} |")
     lines += ["", "CR: mean tokens emitted per full target (verification) pass; for the transformers methods, new tokens "
               "per full-depth forward pass (prefill included). CTAR(w): share of verify rounds whose first w drafts "
               "were all accepted. Draft / verify time: share of the decode loop spent drafting vs verifying. "
