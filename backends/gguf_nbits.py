@@ -210,8 +210,9 @@ def row_by_row(helper, inputs: list[str], attributes: dict, y: str, stem: str, k
 
 def stacked(weights: list[NBitsWeight]) -> NBitsWeight | None:
     """The weights of several products of one input as one [ΣN, K] weight (rows stacked in order), or None when
-    their formats differ. Each output column is still its own row's blocks, so the stacked product's columns are the
-    separate products' (onnxruntime computes every column alone; the exported graphs are validated either way)."""
+    their formats differ. Each output column still reads only its own row's blocks, so the stacked product gives the
+    separate products' columns (up to the kernel's blocking: the exported graphs are validated against the eager
+    model, and a pass's rows against one-position passes, in the tests)."""
     first = weights[0]
     same = all(w.gguf_type == first.gguf_type and w.bits == first.bits and w.k == first.k
                and (w.zero_points is None) == (first.zero_points is None) and (w.mins is None) == (first.mins is None)
