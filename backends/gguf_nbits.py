@@ -173,9 +173,18 @@ ROWS_AT_ONCE = "MatMulNBits over all rows at once (its int8-activation kernel co
 ROW_INDEPENDENT_LEVELS = (4,)
 
 
+#: the manifest "rows" values whose graphs reproduce one-position passes row by row (older 4-bit bundles have none)
+EXACT_LAYOUTS = (ROWS, ROWS_AT_ONCE)
+
+
 def rows_at_once(accuracy_level: int) -> bool:
     """Whether graphs at ``accuracy_level`` multiply all rows in one MatMulNBits call and stay exact per row."""
     return int(accuracy_level) in ROW_INDEPENDENT_LEVELS
+
+
+def rows_layout(accuracy_level: int) -> str:
+    """The manifest's ``"rows"`` for graphs exported at ``accuracy_level``."""
+    return ROWS_AT_ONCE if rows_at_once(accuracy_level) else ROWS
 
 
 def row_by_row(helper, inputs: list[str], attributes: dict, y: str, stem: str, k: int, n: int) -> list:

@@ -33,8 +33,9 @@ import torch
 
 from kangaroo_backends.loading import cache_dir, gguf_source, load_model
 from kangaroo_backends.families import SLIDING, sliding_window
-from kangaroo_backends.onnx_export import (BIAS_INPUTS, EXPORT_KEY, FORMAT, FORMAT_VERSION, GRAPHS, MANIFEST,
-                                           NBITS_ROWS, NBITS_ROWS_AT_ONCE, WEIGHTS, attention_bias, export_onnx, graph_io, import_onnxruntime)
+from kangaroo_backends.gguf_nbits import EXACT_LAYOUTS
+from kangaroo_backends.onnx_export import (BIAS_INPUTS, EXPORT_KEY, FORMAT, FORMAT_VERSION, GRAPHS, MANIFEST, WEIGHTS,
+                                           attention_bias, export_onnx, graph_io, import_onnxruntime)
 from kangaroo_backends.torch_eager import check_start, describe_split_model
 from kangaroo_core.config import ConfigError, DecodeConfig
 from kangaroo_core.errors import OnnxModelError, ProviderError
@@ -120,7 +121,7 @@ def rows_exact(manifest: dict) -> bool:
     (measured, every n); 4-bit ones when exported row by row (graph revision 3 on) or, at int8 activations, with
     rows at once (revision 4 on: that kernel computes each row alone)."""
     weights = manifest.get("weights", "float32")
-    return not isinstance(weights, dict) or weights.get("rows") in (NBITS_ROWS, NBITS_ROWS_AT_ONCE)
+    return not isinstance(weights, dict) or weights.get("rows") in EXACT_LAYOUTS
 
 
 def _file_opset(path: Path, manifest: dict):

@@ -49,9 +49,7 @@ from torch import nn
 
 from kangaroo_backends.families import FULL, SLIDING, family_of, layer_kinds, rotary_embeddings, sliding_window
 from kangaroo_backends.kv_cache import causal_mask
-from kangaroo_backends.gguf_nbits import ROWS as NBITS_ROWS
-from kangaroo_backends.gguf_nbits import ROWS_AT_ONCE as NBITS_ROWS_AT_ONCE
-from kangaroo_backends.gguf_nbits import rows_at_once
+from kangaroo_backends.gguf_nbits import rows_at_once, rows_layout
 from kangaroo_core.errors import MissingDependencyError, OnnxExportError
 
 MANIFEST = "manifest.json"
@@ -527,8 +525,7 @@ def export_onnx(model, out_dir: str | os.PathLike, *, exit_layer: int, fingerpri
             "opset": opset,
             "dtype": "float32",
             "weights": weights if nbits is None else {"format": "gguf-matmulnbits", "gguf_file": Path(gguf_path).name,
-                                                      "accuracy_level": int(accuracy_level),
-                                                      "rows": NBITS_ROWS_AT_ONCE if rows_at_once(accuracy_level) else NBITS_ROWS},
+                                                      "accuracy_level": int(accuracy_level), "rows": rows_layout(accuracy_level)},
             "kv_layout": "[batch, seq, kv_heads, head_dim]; graphs return the new positions' KV only",
             "model_name": model_name,
             "base_model_fingerprint": fingerprint,

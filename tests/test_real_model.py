@@ -145,6 +145,13 @@ def test_verify_passes_reproduce_one_position_passes_on_the_real_model(smollm):
     check_rows_exact(backend, ids[:130], ids[130:], splits=[(n,) for n in (2, 3, 5, 8, 11, 16)])
 
 
+def alone_and_drafted(backend, config, prompt_ids):
+    """The backend's target alone and Kangaroo (shipped adapter, threshold policy) on one prompt, greedy."""
+    alone = Engine(backend, None, ThresholdPolicy(), GreedyVerifier(), config).generate_ids(prompt_ids)
+    drafted = Engine(backend, KangarooDrafter(), ThresholdPolicy(), GreedyVerifier(), config).generate_ids(prompt_ids)
+    return alone, drafted
+
+
 def test_the_gguf_file_s_own_4_bit_weights_on_onnxruntime(smollm, references):
     """The 4-bit onnx backend (MatMulNBits over the GGUF blocks, float32 activations): Kangaroo with the shipped
     adapter is token-identical to that backend's target alone; it computes transformers' weights, so it also matches
@@ -157,8 +164,7 @@ def test_the_gguf_file_s_own_4_bit_weights_on_onnxruntime(smollm, references):
     config = DecodeConfig(exit_layer=2, max_new_tokens=NEW_TOKENS)
     for prompt in PROMPTS[:3]:
         prompt_ids, reference = references[prompt]
-        alone = Engine(backend, None, ThresholdPolicy(), GreedyVerifier(), config).generate_ids(prompt_ids)
-        drafted = Engine(backend, KangarooDrafter(), ThresholdPolicy(), GreedyVerifier(), config).generate_ids(prompt_ids)
+        alone, drafted = alone_and_drafted(backend, config, prompt_ids)
         assert drafted.token_ids == alone.token_ids, prompt
         assert drafted.mean_accepted_tokens > 1.2
         tree = Engine(backend, KangarooDrafter(), ThresholdPolicy(), GreedyVerifier(), config,
@@ -191,8 +197,7 @@ def test_int8_activations_verify_all_rows_at_once_and_exactly_on_the_real_model(
     config = DecodeConfig(exit_layer=2, max_new_tokens=NEW_TOKENS)
     for prompt in PROMPTS[:2]:
         prompt_ids, _ = references[prompt]
-        alone = Engine(backend, None, ThresholdPolicy(), GreedyVerifier(), config).generate_ids(prompt_ids)
-        drafted = Engine(backend, KangarooDrafter(), ThresholdPolicy(), GreedyVerifier(), config).generate_ids(prompt_ids)
+        alone, drafted = alone_and_drafted(backend, config, prompt_ids)
         assert drafted.token_ids == alone.token_ids, prompt
         assert drafted.mean_accepted_tokens > 1.2
 

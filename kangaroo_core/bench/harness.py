@@ -121,11 +121,11 @@ def run_bench(context: BenchContext, methods: list[tuple[str, BenchMethod]], que
                     errors[label] = f"warm-up: {_one_line(exc)}"
 
     greedy = context.config.sampling.greedy
-    by_name = {}
+    by_name: dict[str, str] = {}  # registered name -> the first label running it
     for label, method in methods:
         by_name.setdefault(method.name, label)
     target_alone = {label: by_name[method.target_alone] for label, method in methods
-                    if getattr(method, "target_alone", "") in by_name and by_name[method.target_alone] != label}
+                    if by_name.get(method.target_alone, label) != label}
     reference_tokens: dict[tuple[str, int], list[int]] = {}
     records: list[Record] = []
     total = sum(len(q.turns) for q in questions) * len(labels) * repeats
