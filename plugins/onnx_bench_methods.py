@@ -108,21 +108,23 @@ class _OnnxEngine:
     provider = "auto"
     weights = "float32"  # "gguf": the GGUF file's own blocks as MatMulNBits (float32 activations)
     accuracy_level = None  # with weights "gguf": 4 = int8 activations (lossy by choice); None = the backend's default
+    spinning = "none"  # the onnx backend's ``spinning`` option (kangaroo_backends.onnx_backend.SPINNING)
 
     def onnx_backend(self, context: BenchContext):
         from kangaroo_backends.onnx_backend import OnnxBackend
 
         base = context.backend
         if (base.runtime == "onnxruntime" and getattr(base, "weights", "float32") == self.weights
-                and self.accuracy_level in (None, getattr(base, "accuracy_level", None))):
+                and self.accuracy_level in (None, getattr(base, "accuracy_level", None))
+                and self.spinning == getattr(base, "spinning", "none")):
             return base
         if context.model is None:
             raise KangarooError(f"{self.name} needs a backend holding the transformers model to export")
         return context.shared_backend(  # one backend (and export) per weights for the whole run
-            ("onnx", self.provider, self.weights, self.accuracy_level),
+            ("onnx", self.provider, self.weights, self.accuracy_level, self.spinning),
             lambda: OnnxBackend(context.model, context.tokenizer, base.exit_layer, base.model_name,
                                 provider=self.provider, threads=_threads(), weights=self.weights,
-                                accuracy_level=self.accuracy_level))
+                                accuracy_level=self.accuracy_level, spinning=self.spinning))
 
 
 class VanillaOnnx(_OnnxEngine, EngineMethod):
@@ -198,6 +200,15 @@ class VanillaOnnxGgufInt8(VanillaOnnxGguf):
     accuracy_level = 4
 
 
+class VanillaOnnxGgufInt8Spin(VanillaOnnxGgufInt8):
+    """``vanilla_onnx_gguf_int8`` with the deep graph's threads busy-waiting between ops (``spinning=deep``): the
+    fastest way to run the int8 target alone at 2+ threads (it slows drafting, so Kangaroo does not use it)."""
+
+    name = "vanilla_onnx_gguf_int8_spin"
+    rank = 8
+    spinning = "deep"
+
+
 class KangarooOnnxGgufInt8(KangarooOnnxGguf):
     """Kangaroo on the GGUF file's own blocks with int8 activations; identical to ``vanilla_onnx_gguf_int8``."""
 
@@ -218,3 +229,4 @@ def register_bench_methods(register):
     register("kangaroo_onnx_gguf", KangarooOnnxGguf)
     register("vanilla_onnx_gguf_int8", VanillaOnnxGgufInt8)
     register("kangaroo_onnx_gguf_int8", KangarooOnnxGgufInt8)
+    register("vanilla_onnx_gguf_int8_spin", VanillaOnnxGgufInt8Spin)

@@ -291,6 +291,55 @@ def test_missing_corrupt_and_wrong_opset_files_are_one_clear_error(bundles, tmp_
 
 
 @needs_ort
+@pytest.mark.parametrize("spinning, spins", [("none", set()), ("deep", {"deep"}), ("all", {"shallow", "deep", "head"})])
+def test_spinning_sets_which_sessions_busy_wait_and_changes_no_token(bundles, spinning, spins):
+    """``spinning``: the chosen sessions' threads busy-wait between ops and stop when their run ends; the others
+    sleep. Scheduling only: Kangaroo and the target alone give the same tokens as with every thread sleeping."""
+    backend = onnx_backend(2, 1, bundles(2, 1), spinning=spinning)
+    backend.threads = 2
+    engine = kangaroo_engine(backend, 1, 0.3, 4)
+    prompt = [7, 1, 30, 12, 9]
+    got = engine.generate_ids(prompt, 24)
+    runners = {"shallow": backend.shallow_runner, "deep": backend.deep_runner, "head": backend.head_runner}
+    for name, runner in runners.items():
+        options = runner.session.get_session_options()
+        want = "1" if name in spins else "0"
+        assert options.get_session_config_entry("session.intra_op.allow_spinning") == want, name
+        if name in spins:
+            assert options.get_session_config_entry("session.force_spinning_stop") == "1", name
+    plain = kangaroo_engine(onnx_backend(2, 1, bundles(2, 1)), 1, 0.3, 4).generate_ids(prompt, 24)
+    assert got.token_ids == plain.token_ids == hf_greedy(model(2), prompt, 24)
+
+
+@needs_ort
+def test_unknown_spinning_is_one_line_error():
+    from kangaroo_core.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^spinning must be one of none, deep, all, got 'always'$"):
+        onnx_backend(1, 1, None, spinning="always")
+
+
+@needs_ort
+def test_public_binding_wrappers_give_the_same_passes(bundles):
+    """The runner binds through onnxruntime's binding object directly; its public wrappers (the fallback) compute
+    the same bits."""
+    prompt = [7, 1, 30, 12, 9, 44]
+    results = []
+    for raw in (True, False):
+        backend = onnx_backend(2, 1, bundles(2, 1))
+        backend.reset()
+        for runner in (backend.shallow_runner, backend.deep_runner, backend.head_runner):
+            assert runner.binder.raw  # onnxruntime 1.32 has the binding object underneath
+            runner.binder.raw = raw
+        hidden = backend.shallow(prompt[:4], 0)
+        first = backend.deep(hidden, 0)
+        second = backend.deep(backend.shallow(prompt[4:], 4), 4)
+        results.append((hidden, first.logits, second.logits, second.hidden))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@needs_ort
 def test_unavailable_provider_is_an_error():
     import onnxruntime as ort
 
