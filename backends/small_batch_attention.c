@@ -74,9 +74,9 @@ static void score_block(const float *q, long vectors, long rows, const float *k,
     }
 }
 
-/* One query vector's softmax and weighted sum of the values, over its scores s[keys] (padded to 16 with -inf). */
-static void weigh_values(float *s, const float *v, float *out, long keys, long d) {
-    long padded = (keys + 15) & ~15L, t16 = d & ~15L;
+/* s <- exp(s - max s) over one query vector's scores s[keys] (padded to 16 with -inf). */
+static void exponentiate(float *s, long keys) {
+    long padded = (keys + 15) & ~15L;
     v16 mv = (v16){0} - INFINITY;  /* the maximum is exact in any order; 16 lanes, then across them */
     for (long j = 0; j < padded; j += 16) {
         v16 x = load16(s + j);
@@ -86,24 +86,19 @@ static void weigh_values(float *s, const float *v, float *out, long keys, long d
     float m = mv[0];
     for (int l = 1; l < 16; l++) m = mv[l] > m ? mv[l] : m;
     for (long j = 0; j < padded; j += 16) store16(s + j, exp16(load16(s + j) - m));
-    /* the denominator strictly in key order (not per lane): a token tree hides siblings between a row's keys, and the
-     * row alone sees those keys packed together, so only a sequential sum adds the same floats in the same order */
-    float total = 0.0f;
-    for (long j = 0; j < keys; j++) total += s[j];
-    long t = 0;
-    for (; t + 64 <= t16; t += 64) {  /* four 16-lane chunks at a time: four independent FMA chains */
-        v16 acc[4] = {{0}, {0}, {0}, {0}};
-        for (long j = 0; j < keys; j++)  /* in key order */
-            for (int c = 0; c < 4; c++) acc[c] += s[j] * load16(v + j * d + t + 16 * c);
-        for (int c = 0; c < 4; c++) store16(out + t + 16 * c, acc[c] / total);
-    }
+}
+
+/* The head dimensions t.. of one vector's weighted sum (those past the last whole 64): 16 at a time, then the last
+ * d % 16 zero-padded: the same vector FMAs as the rest, never a scalar loop (a compiler may vectorize that one
+ * differently depending on the number of keys). */
+static void weigh_tail(const float *s, const float *v, float *out, long keys, long d, long t, float total) {
+    long t16 = d & ~15L;
     for (; t < t16; t += 16) {
         v16 acc = (v16){0};
         for (long j = 0; j < keys; j++) acc += s[j] * load16(v + j * d + t);
         store16(out + t, acc / total);
     }
-    if (t < d) {  /* the last d % 16 dimensions, zero-padded: the same vector FMAs as the rest, never a scalar loop
-                     (a compiler may vectorize that one differently depending on the number of keys) */
+    if (t < d) {
         long rest = d - t;
         v16 acc = (v16){0};
         for (long j = 0; j < keys; j++) {
@@ -116,6 +111,59 @@ static void weigh_values(float *s, const float *v, float *out, long keys, long d
         memcpy(out + t, result, sizeof(float) * (size_t)rest);
     }
 }
+
+/* One query vector's softmax and weighted sum of the values, over its scores s[keys] (padded to 16 with -inf). */
+static void weigh_values(float *s, const float *v, float *out, long keys, long d) {
+    long t16 = d & ~15L;
+    exponentiate(s, keys);
+    /* the denominator strictly in key order (not per lane): a token tree hides siblings between a row's keys, and the
+     * row alone sees those keys packed together, so only a sequential sum adds the same floats in the same order */
+    float total = 0.0f;
+    for (long j = 0; j < keys; j++) total += s[j];
+    long t = 0;
+    for (; t + 64 <= t16; t += 64) {  /* four 16-lane chunks at a time: four independent FMA chains */
+        v16 acc[4] = {{0}, {0}, {0}, {0}};
+        for (long j = 0; j < keys; j++)  /* in key order */
+            for (int c = 0; c < 4; c++) acc[c] += s[j] * load16(v + j * d + t + 16 * c);
+        for (int c = 0; c < 4; c++) store16(out + t + 16 * c, acc[c] / total);
+    }
+    if (t < d) weigh_tail(s, v, out, keys, d, t, total);
+}
+
+
+/* weigh_values for G query vectors of the same KV head at once: each vector's arithmetic is exactly weigh_values'
+ * (the same operations, the same key order), interleaved so that the vectors' dependency chains overlap and each
+ * value vector loaded serves all G (a verify pass has groups * rows vectors per KV head). */
+#define WEIGH_GROUP(G)                                                                                      \
+static void weigh_values_##G(float *s, long padded, const float *v, float **out, long keys, long d) {     \
+    long t16 = d & ~15L;                                                                                  \
+    float total[G];                                                                                       \
+    for (int g = 0; g < G; g++) {                                                                         \
+        exponentiate(s + g * padded, keys);                                                               \
+        total[g] = 0.0f;                                                                                  \
+    }                                                                                                     \
+    for (long j = 0; j < keys; j++)                                                                       \
+        for (int g = 0; g < G; g++) total[g] += s[g * padded + j];                                        \
+    long t = 0;                                                                                           \
+    for (; t + 64 <= t16; t += 64) {                                                                      \
+        v16 acc[G][4];                                                                                    \
+        for (int g = 0; g < G; g++)                                                                       \
+            for (int c = 0; c < 4; c++) acc[g][c] = (v16){0};                                             \
+        for (long j = 0; j < keys; j++)                                                                   \
+            for (int c = 0; c < 4; c++) {                                                                 \
+                v16 vc = load16(v + j * d + t + 16 * c);                                                  \
+                for (int g = 0; g < G; g++) acc[g][c] += s[g * padded + j] * vc;                          \
+            }                                                                                             \
+        for (int g = 0; g < G; g++)                                                                       \
+            for (int c = 0; c < 4; c++) store16(out[g] + t + 16 * c, acc[g][c] / total[g]);               \
+    }                                                                                                     \
+    if (t < d)                                                                                            \
+        for (int g = 0; g < G; g++) weigh_tail(s + g * padded, v, out[g], keys, d, t, total[g]);          \
+}
+WEIGH_GROUP(2) WEIGH_GROUP(3) WEIGH_GROUP(4)
+/* vectors weighed together per work item: measured on one core (9 query heads, 3 KV heads, d 64, 300 keys, same
+ * process), 8 rows 122.7 -> 94.6 us per call and 1 row 42.7 -> 39.4 us against one vector at a time; bit-identical */
+#define GROUP 4
 
 /* out[rows, heads, d] = softmax(scale * Q K^T + mask) V for query [heads, rows, d] (contiguous); key/value
  * [kv_heads, keys, d] with head stride kv_stride (a view of the cache); mask [rows, keys] with row stride
@@ -138,10 +186,22 @@ int small_batch_attention(const float *query, const float *key, const float *val
                 score_block(query + kv * vectors * d, vectors, rows, key + kv * kv_stride, mask, mask_stride,
                             scores + kv * vectors * padded, padded, j0, keys, d, scale, kt);
         }
+        /* GROUP vectors of one KV head per item (the last item of each head takes the rest) */
+        long items = (vectors + GROUP - 1) / GROUP;
         #pragma omp for schedule(static)
-        for (long item = 0; item < kv_heads * vectors; item++) {
-            long kv = item / vectors, h = kv * groups + (item % vectors) / rows, i = item % rows;
-            weigh_values(scores + item * padded, value + kv * kv_stride, out + (i * heads + h) * d, keys, d);
+        for (long item = 0; item < kv_heads * items; item++) {
+            long kv = item / items, a0 = GROUP * (item % items), count = vectors - a0 < GROUP ? vectors - a0 : GROUP;
+            float *outs[GROUP];
+            for (long a = a0; a < a0 + count; a++)  /* vector a: query head kv * groups + a / rows, row a % rows */
+                outs[a - a0] = out + ((a % rows) * heads + kv * groups + a / rows) * d;
+            float *s = scores + (kv * vectors + a0) * padded;
+            const float *v = value + kv * kv_stride;
+            switch (count) {
+                case 4: weigh_values_4(s, padded, v, outs, keys, d); break;
+                case 3: weigh_values_3(s, padded, v, outs, keys, d); break;
+                case 2: weigh_values_2(s, padded, v, outs, keys, d); break;
+                default: weigh_values(s, v, outs[0], keys, d);
+            }
         }
         free(kt);
     }
