@@ -112,28 +112,12 @@ static void weigh_tail(const float *s, const float *v, float *out, long keys, lo
     }
 }
 
-/* One query vector's softmax and weighted sum of the values, over its scores s[keys] (padded to 16 with -inf). */
-static void weigh_values(float *s, const float *v, float *out, long keys, long d) {
-    long t16 = d & ~15L;
-    exponentiate(s, keys);
-    /* the denominator strictly in key order (not per lane): a token tree hides siblings between a row's keys, and the
-     * row alone sees those keys packed together, so only a sequential sum adds the same floats in the same order */
-    float total = 0.0f;
-    for (long j = 0; j < keys; j++) total += s[j];
-    long t = 0;
-    for (; t + 64 <= t16; t += 64) {  /* four 16-lane chunks at a time: four independent FMA chains */
-        v16 acc[4] = {{0}, {0}, {0}, {0}};
-        for (long j = 0; j < keys; j++)  /* in key order */
-            for (int c = 0; c < 4; c++) acc[c] += s[j] * load16(v + j * d + t + 16 * c);
-        for (int c = 0; c < 4; c++) store16(out + t + 16 * c, acc[c] / total);
-    }
-    if (t < d) weigh_tail(s, v, out, keys, d, t, total);
-}
-
-
-/* weigh_values for G query vectors of the same KV head at once: each vector's arithmetic is exactly weigh_values'
- * (the same operations, the same key order), interleaved so that the vectors' dependency chains overlap and each
- * value vector loaded serves all G (a verify pass has groups * rows vectors per KV head). */
+/* The softmax and weighted sum of the values of G query vectors of one KV head, over their scores (row g at
+ * s + g * padded, each padded to 16 with -inf). Each vector's arithmetic is the same whatever G is (the same
+ * operations, the same key order); G > 1 interleaves the vectors so that their dependency chains overlap and each
+ * value vector loaded serves all G (a verify pass has groups * rows vectors per KV head).
+ * The denominators run strictly in key order (not per lane): a token tree hides siblings between a row's keys, and
+ * the row alone sees those keys packed together, so only a sequential sum adds the same floats in the same order. */
 #define WEIGH_GROUP(G)                                                                                      \
 static void weigh_values_##G(float *s, long padded, const float *v, float **out, long keys, long d) {     \
     long t16 = d & ~15L;                                                                                  \
@@ -149,7 +133,7 @@ static void weigh_values_##G(float *s, long padded, const float *v, float **out,
         v16 acc[G][4];                                                                                    \
         for (int g = 0; g < G; g++)                                                                       \
             for (int c = 0; c < 4; c++) acc[g][c] = (v16){0};                                             \
-        for (long j = 0; j < keys; j++)                                                                   \
+        for (long j = 0; j < keys; j++)  /* in key order; four 16-lane chunks: independent FMA chains */ \
             for (int c = 0; c < 4; c++) {                                                                 \
                 v16 vc = load16(v + j * d + t + 16 * c);                                                  \
                 for (int g = 0; g < G; g++) acc[g][c] += s[g * padded + j] * vc;                          \
@@ -160,10 +144,12 @@ static void weigh_values_##G(float *s, long padded, const float *v, float **out,
     if (t < d)                                                                                            \
         for (int g = 0; g < G; g++) weigh_tail(s + g * padded, v, out[g], keys, d, t, total[g]);          \
 }
-WEIGH_GROUP(2) WEIGH_GROUP(3) WEIGH_GROUP(4)
+WEIGH_GROUP(1) WEIGH_GROUP(2) WEIGH_GROUP(3) WEIGH_GROUP(4)
 /* vectors weighed together per work item: measured on one core (9 query heads, 3 KV heads, d 64, 300 keys, same
  * process), 8 rows 122.7 -> 94.6 us per call and 1 row 42.7 -> 39.4 us against one vector at a time; bit-identical */
 #define GROUP 4
+typedef void (*weigh_fn)(float *, long, const float *, float **, long, long);
+static const weigh_fn WEIGH[GROUP + 1] = {0, weigh_values_1, weigh_values_2, weigh_values_3, weigh_values_4};
 
 /* out[rows, heads, d] = softmax(scale * Q K^T + mask) V for query [heads, rows, d] (contiguous); key/value
  * [kv_heads, keys, d] with head stride kv_stride (a view of the cache); mask [rows, keys] with row stride
@@ -194,14 +180,7 @@ int small_batch_attention(const float *query, const float *key, const float *val
             float *outs[GROUP];
             for (long a = a0; a < a0 + count; a++)  /* vector a: query head kv * groups + a / rows, row a % rows */
                 outs[a - a0] = out + ((a % rows) * heads + kv * groups + a / rows) * d;
-            float *s = scores + (kv * vectors + a0) * padded;
-            const float *v = value + kv * kv_stride;
-            switch (count) {
-                case 4: weigh_values_4(s, padded, v, outs, keys, d); break;
-                case 3: weigh_values_3(s, padded, v, outs, keys, d); break;
-                case 2: weigh_values_2(s, padded, v, outs, keys, d); break;
-                default: weigh_values(s, v, outs[0], keys, d);
-            }
+            WEIGH[count](scores + (kv * vectors + a0) * padded, padded, value + kv * kv_stride, outs, keys, d);
         }
         free(kt);
     }

@@ -319,6 +319,15 @@ def test_unknown_spinning_is_one_line_error():
         onnx_backend(1, 1, None, spinning="always")
 
 
+def test_cli_spinning_choices_are_the_backends():
+    """``--onnx-spinning`` lists its choices in the core (which does not import backends); they must stay SPINNING."""
+    from kangaroo_backends.onnx_backend import SPINNING
+    from kangaroo_core.cli_options import _SHARED
+
+    option = next(o for o in (d(lambda: None).__click_params__[0] for d in _SHARED) if o.name == "onnx_spinning")
+    assert tuple(option.type.choices) == SPINNING
+
+
 @needs_ort
 def test_public_binding_wrappers_give_the_same_passes(bundles):
     """The runner binds through onnxruntime's binding object directly; its public wrappers (the fallback) compute
