@@ -347,13 +347,26 @@ def bench(questions_file, out_dir, methods, limit_per_subtask, repeats, no_warmu
               help="soft-ce: the paper's soft cross-entropy; accept: plus 1 − Σ min(p, q) (the draft's rejection probability).")
 @click.option("--train-depths", type=int, default=4, show_default=True,
               help="deep-context: train at draft depths 0..N-1 (each with the keys it sees when drafting).")
+@click.option("--fusion-lr-scale", type=click.FloatRange(0.0, 1.0), default=0.1, show_default=True,
+              help="deep-context: the zero-initialised deep-state fusions train at --lr times this.")
+@click.option("--feature-loss", "feature_weight", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+              help="Weight of EAGLE's regression (smooth L1) of the adapter's output to the target's deep state "
+                   "(0: off).")
+@click.option("--prompt-queries", is_flag=True,
+              help="Also train on the prompt's positions (more rows per answer; evaluation stays on answers).")
+@click.option("--feature-matmuls", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="--corpus: the training features' matrix products (bfloat16: a faster, slightly perturbed pass; "
+                   "held-out features always exact).")
+@click.option("--train-matmuls", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="The training steps' matrix products (bfloat16 autocast: faster; weights, optimizer and "
+                   "evaluation stay float32).")
 @click.option("--record-layers", default="", help="Also record these layers' states (e.g. 1,3,4) for an exit-layer sweep on the same data.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--skip-generation", is_flag=True, help="Train on the answers recorded so far in the work directory (no new generation).")
 def train_adapter_command(out_dir, model, exit_layer, threads, prompts_file, corpus_dir, work_dir, num_prompts, heldout_prompts,
                           max_new_tokens, generation_batch_size, top_k, epochs, batch_size, lr, ffn, separate_head,
-                          draft_vocab, adapter_type, draft_head, loss, train_depths, record_layers, seed,
-                          skip_generation) -> None:
+                          draft_vocab, adapter_type, draft_head, loss, train_depths, fusion_lr_scale, feature_weight,
+                          prompt_queries, feature_matmuls, train_matmuls, record_layers, seed, skip_generation) -> None:
     """Train a Kangaroo adapter by self-distillation (resumable; progress bars with ETA)."""
     from kangaroo_core.paths import cache_dir
     from kangaroo_tools.adapter_training import TrainConfig, train_adapter
@@ -368,9 +381,14 @@ def train_adapter_command(out_dir, model, exit_layer, threads, prompts_file, cor
                          max_new_tokens=max_new_tokens, generation_batch_size=generation_batch_size, top_k=top_k,
                          epochs=epochs, batch_size=batch_size, lr=lr, ffn=ffn, separate_head=separate_head,
                          record_layers=layers, seed=seed, draft_vocab=draft_vocab, adapter_type=adapter_type,
-                         draft_head=draft_head, loss=loss, train_depths=train_depths)
+                         draft_head=draft_head, loss=loss, train_depths=train_depths,
+                         fusion_lr_scale=fusion_lr_scale, feature_weight=feature_weight,
+                         prompt_queries=prompt_queries, feature_matmuls=feature_matmuls,
+                         train_matmuls=train_matmuls)
     if draft_head and not draft_vocab:
         raise UsageError("--draft-head needs --draft-vocab K (the head's rows are the draft vocabulary)")
+    if feature_matmuls != "float32" and corpus_dir is None:
+        raise UsageError("--feature-matmuls applies to features recomputed from a corpus (--corpus)")
     check_out_dir(out_dir)
     if work_dir is not None:
         check_out_dir(work_dir, "--work-dir")

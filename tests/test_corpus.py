@@ -163,6 +163,42 @@ def test_train_a_deep_context_adapter_with_a_draft_head_from_the_cli(tmp_path, p
     assert json.loads(capsys.readouterr().out)["identical_to_vanilla"] is True
 
 
+def test_training_options_from_the_cli_and_bfloat16_features_stay_apart(tmp_path, prompts, engine, tiny_model_dir, capsys):
+    """--feature-matmuls bfloat16 computes the training features in their own directory (a perturbed but close copy
+    of the exact ones) and leaves the held-out features exact; the other training options reach the report, and
+    the adapter trained with all of them stays lossless."""
+    from safetensors.torch import load_file
+
+    directory = tmp_path / "corpus"
+    build(Corpus(directory), engine, prompts, SETTINGS, progress=False, log=lambda m: None)
+    work = tmp_path / "work"
+    base = ["train-adapter", "--model", str(tiny_model_dir), "--corpus", str(directory), "--work-dir", str(work),
+            "--num-prompts", "6", "--epochs", "1", "--batch-size", "2", "--adapter-type", "deep-context"]
+    assert main([*base, "--out", str(tmp_path / "exact")]) == 0, capsys.readouterr().err
+    heldout = {p.name: load_file(p) for p in (work / "features").glob("heldout-*.safetensors")}
+    exact = {p.name: load_file(p) for p in (work / "features").glob("train-*.safetensors")}
+    out = tmp_path / "fast"
+    assert main([*base, "--out", str(out), "--feature-matmuls", "bfloat16", "--train-matmuls", "bfloat16",
+                 "--feature-loss", "0.5", "--prompt-queries", "--fusion-lr-scale", "1.0"]) == 0, capsys.readouterr().err
+    config = json.loads((out / "training_report.json").read_text())["config"]
+    assert (config["feature_matmuls"], config["train_matmuls"], config["feature_weight"], config["prompt_queries"],
+            config["fusion_lr_scale"]) == ("bfloat16", "bfloat16", 0.5, True, 1.0)
+    for name, tensors in heldout.items():  # untouched: evaluation judges against the exact target
+        assert all(torch.equal(v, load_file(work / "features" / name)[k]) for k, v in tensors.items())
+    fast = {p.name: load_file(p) for p in (work / "features-bfloat16").glob("train-*.safetensors")}
+    assert fast.keys() == exact.keys() and fast
+    for name, tensors in fast.items():
+        assert torch.equal(tensors["input_ids"], exact[name]["input_ids"])
+        a, b = tensors["deep"].float(), exact[name]["deep"].float()
+        assert not torch.equal(a, b) and (a - b).norm() < 0.05 * b.norm()  # bfloat16 products: close, not equal
+    assert main(["generate", "hello", "--model", str(tiny_model_dir), "--adapter", str(out), "--max-new-tokens", "8",
+                 "--json", "--compare"]) == 0
+    assert json.loads(capsys.readouterr().out)["identical_to_vanilla"] is True
+    assert main(["train-adapter", "--model", str(tiny_model_dir), "--prompts", str(prompts), "--out",
+                 str(tmp_path / "no"), "--work-dir", str(tmp_path / "w2"), "--feature-matmuls", "bfloat16"]) == 2
+    assert "applies to features recomputed from a corpus" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_the_preallocated_cache_answers_exactly_as_transformers_default_cache(family):
     """The generator's in-place cache changes where keys/values live, not what attention computes: batched answers

@@ -184,10 +184,11 @@ def _asdict(config):
     return attrs.asdict(config)
 
 
-@pytest.mark.parametrize("draft_vocab, adapter_type, draft_head", [
-    (0, "attention", False), (12, "attention", False), (12, "attention", True), (0, "deep-context", False),
-    (12, "deep-context", True)])
-def test_simulated_cr_equals_the_real_engine(tmp_path, backend, draft_vocab, adapter_type, draft_head):
+@pytest.mark.parametrize("draft_vocab, adapter_type, draft_head, extra", [
+    (0, "attention", False, {}), (12, "attention", False, {}), (12, "attention", True, {}),
+    (0, "deep-context", False, {}), (12, "deep-context", True, {}),
+    (12, "deep-context", True, {"feature_weight": 0.5, "prompt_queries": True, "fusion_lr_scale": 1.0})])
+def test_simulated_cr_equals_the_real_engine(tmp_path, backend, draft_vocab, adapter_type, draft_head, extra):
     """Teacher-forced metrics determine greedy acceptance: the simulation must match the engine round for round
     (with a draft vocabulary and head too: the drafter and the evaluation restrict the same way; and for the
     deep-context adapter, whose drafts depend on the draft depth: the replay follows its drafting pattern)."""
@@ -195,7 +196,7 @@ def test_simulated_cr_equals_the_real_engine(tmp_path, backend, draft_vocab, ada
 
     prompts = write_prompts(tmp_path / "p.jsonl", malformed=False)
     config = CONFIG.__class__(**{**_asdict(CONFIG), "epochs": 1, "eta": 0.3, "gamma": 3, "draft_vocab": draft_vocab,
-                                 "adapter_type": adapter_type, "draft_head": draft_head})
+                                 "adapter_type": adapter_type, "draft_head": draft_head, **extra})
     train_adapter(backend, prompts, tmp_path / "w", tmp_path / "o", config, log=lambda m: None)
     adapter = KangarooAdapter.load(tmp_path / "o", backend.model, base_fingerprint=backend.fingerprint, exit_layer=1)
     assert adapter.kind == adapter_type and adapter.draft_head == draft_head
@@ -279,3 +280,48 @@ def test_adapter_with_a_broken_draft_vocabulary_is_refused(tmp_path, backend):
         KangarooAdapter.load(tmp_path / "a", backend.model, base_fingerprint=backend.fingerprint, exit_layer=1)
     with pytest.raises(ValueError):
         adapter.set_draft_vocab([10**9])
+
+
+def _feature_batch(seed=0):
+    """A collated batch of random states and labels: two sequences, prompts of 4 and 6, lengths 11 and 9."""
+    from kangaroo_tools.adapter_training import _collate
+
+    gen = torch.Generator().manual_seed(seed)
+    records = []
+    for prompt, n in ((4, 11), (6, 9)):
+        records.append({"hidden": torch.randn(n, 32, generator=gen, dtype=torch.float64),
+                        "deep": torch.randn(n, 32, generator=gen, dtype=torch.float64),
+                        "topk_ids": torch.randint(0, 64, (n, 8), generator=gen),
+                        "topk_logprobs": torch.log_softmax(torch.randn(n, 8, generator=gen), -1),
+                        "input_ids": torch.randint(0, 64, (n,), generator=gen), "prompt_length": prompt})
+    return _collate(records, torch.float64, deep=True)
+
+
+def test_prompt_queries_add_the_prompts_rows_and_nothing_else():
+    batch = _feature_batch()
+    for depth in range(3):
+        answers, everything = batch.rows(depth), batch.rows(depth, prompt=True)
+        for row, (p, n) in enumerate(((4, 11), (6, 9))):
+            assert answers[row].nonzero().flatten().tolist() == list(range(p + depth, n - 1))
+            assert everything[row].nonzero().flatten().tolist() == list(range(depth + 1, n - 1))
+
+
+def test_feature_loss_adds_the_weighted_regression_to_the_deep_states(backend):
+    """training_loss with --feature-loss w = the distillation loss + w · smooth-L1(adapter output, z_q) per depth,
+    over exactly the rows trained at that depth (prompt rows too with --prompt-queries)."""
+    from kangaroo_plugins.kangaroo.deep_context import DeepContextAdapter
+    from kangaroo_tools.adapter_training import depth_outputs, depth_weights, training_loss
+
+    adapter = DeepContextAdapter.from_base_layer(backend.base_model(), 1).double()
+    batch = _feature_batch()
+    head = backend.lm_head
+    for prompt in (False, True):
+        plain = TrainConfig(exit_layer=1, train_depths=3, prompt_queries=prompt)
+        weighted = TrainConfig(exit_layer=1, train_depths=3, prompt_queries=prompt, feature_weight=0.5)
+        outs = depth_outputs(adapter, batch, range(3), prompt)
+        weights = depth_weights(3, plain.depth_decay)
+        regression = sum(w * torch.nn.functional.smooth_l1_loss(out[batch.rows(j, prompt)], batch.deep[batch.rows(j, prompt)])
+                         for j, (w, out) in enumerate(zip(weights, outs))) / sum(weights)
+        assert float(regression) > 0
+        difference = training_loss(adapter, head, batch, weighted, None) - training_loss(adapter, head, batch, plain, None)
+        assert float(difference) == pytest.approx(0.5 * float(regression), rel=1e-5)  # the loss sums in float32

@@ -71,6 +71,12 @@ class TrainConfig:
     train_depths: int = attrs.field(default=4, validator=_positive_int)  # deep-context: depths 0..train_depths-1
     depth_decay: float = attrs.field(default=0.7, validator=_unit_interval)
     fusion_lr_scale: float = attrs.field(default=0.1, validator=_unit_interval)  # deep-context fusions: lr × this
+    feature_weight: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))  # EAGLE's regression to z_q
+    prompt_queries: bool = False  # also train on the prompt's positions (the target's labels there; never drafted)
+    # the training features' matrix products (held-out features always run in the model's dtype)
+    feature_matmuls: str = attrs.field(default="float32", validator=attrs.validators.in_(("float32", "bfloat16")))
+    # the training steps' matrix products (autocast; parameters, optimizer and evaluation stay float32)
+    train_matmuls: str = attrs.field(default="float32", validator=attrs.validators.in_(("float32", "bfloat16")))
 
     def layers(self) -> list[int]:
         return sorted({self.exit_layer, *self.record_layers})
@@ -152,14 +158,16 @@ class Batch:
     prompt_lengths: list[int]
     lengths: list[int]
 
-    def rows(self, depth: int = 0) -> torch.Tensor:
+    def rows(self, depth: int = 0, prompt: bool = False) -> torch.Tensor:
         """[B, T] bool: the queries a round drafts from at ``depth``: q in [p + depth, n − 2] (the round's first
-        token is at p or later; the last token predicts nothing)."""
+        token is at p or later; the last token predicts nothing). ``prompt``: every q in [depth + 1, n − 2] (the
+        prompt's positions too, as if drafting inside the prompt: extra training rows, never evaluated)."""
         width = self.hidden.shape[1]
         q = torch.arange(width)[None, :]
         p = torch.tensor(self.prompt_lengths)[:, None]
         n = torch.tensor(self.lengths)[:, None]
-        return (q >= p + depth) & (q <= n - 2)
+        first = depth + 1 if prompt else p + depth
+        return (q >= first) & (q <= n - 2)
 
 
 def _collate(batch: list[dict], dtype=torch.float32, deep: bool = False) -> Batch:
@@ -183,10 +191,12 @@ def _collate(batch: list[dict], dtype=torch.float32, deep: bool = False) -> Batc
                  [r["hidden"].shape[0] for r in batch])
 
 
-def depth_outputs(adapter: KangarooAdapter, batch: Batch, depths: Sequence[int]) -> list[torch.Tensor]:
-    """The adapter's outputs [B, T, d] at each draft depth (the paper's adapter: one output, every depth alike)."""
+def depth_outputs(adapter: KangarooAdapter, batch: Batch, depths: Sequence[int], prompt: bool = False) -> list[torch.Tensor]:
+    """The adapter's outputs [B, T, d] at each draft depth (the paper's adapter: one output, every depth alike).
+    ``prompt``: the prompt's queries too (else they are skipped: they never draft)."""
     if adapter.reads_deep_states:  # queries from the shortest prompt's last position on (earlier ones never draft)
-        return adapter.forward_depths(batch.hidden, batch.deep, list(depths), first_query=min(batch.prompt_lengths) - 1)
+        first = 0 if prompt else min(batch.prompt_lengths) - 1
+        return adapter.forward_depths(batch.hidden, batch.deep, list(depths), first_query=first)
     out = adapter(batch.hidden, 0)
     return [out for _ in depths]
 
@@ -295,15 +305,24 @@ def evaluate(adapter: KangarooAdapter, head, records: list[dict], config: TrainC
 def training_loss(adapter: KangarooAdapter, head, batch: Batch, config: TrainConfig,
                   vocab_index: torch.Tensor | None) -> torch.Tensor:
     """The weighted loss over the draft depths the adapter is trained at (training-time test: a deep-context
-    adapter sees, at depth j, exactly the pattern it meets when drafting the round's (j+1)-th token)."""
+    adapter sees, at depth j, exactly the pattern it meets when drafting the round's (j+1)-th token).
+
+    ``feature_weight`` > 0 adds EAGLE's regression (smooth L1) of the adapter's output at query q to the target's
+    deep state z_q there — the state the shared head turns into the target's own distribution; a dense signal
+    beside the soft labels (needs deep states in the features)."""
     depths = list(range(config.train_depths)) if adapter.reads_deep_states else [0]
     weights = depth_weights(len(depths), config.depth_decay)
     total = 0.0
-    for j, w, out in zip(depths, weights, depth_outputs(adapter, batch, depths)):
-        rows = batch.rows(j)
+    for j, w, out in zip(depths, weights, depth_outputs(adapter, batch, depths, config.prompt_queries)):
+        rows = batch.rows(j, config.prompt_queries)
         logits = adapter.train_logits(out[rows], head)
-        total = total + w * distillation_loss(logits, batch.topk_ids[rows], batch.topk_logprobs[rows], vocab_index,
-                                              config.loss, config.accept_weight)
+        loss = distillation_loss(logits, batch.topk_ids[rows], batch.topk_logprobs[rows], vocab_index,
+                                 config.loss, config.accept_weight)
+        if config.feature_weight:
+            if batch.deep is None:
+                raise KangarooError("the feature shards hold no deep states; delete them to recompute")
+            loss = loss + config.feature_weight * torch.nn.functional.smooth_l1_loss(out[rows].float(), batch.deep[rows].float())
+        total = total + w * loss
     return total / sum(weights)
 
 
@@ -363,6 +382,8 @@ def train_adapter(backend, prompts_file: str | Path | None, work_dir: str | Path
         config = attrs.evolve(config, max_new_tokens=manifest["settings"]["max_new_tokens"])
         prompts = None
     else:
+        if config.feature_matmuls != "float32":
+            raise KangarooError("--feature-matmuls applies to features recomputed from a corpus (--corpus)")
         prompts = read_prompts(prompts_file, warn=log)  # a file without usable prompts is refused before anything is made
     work.mkdir(parents=True, exist_ok=True)
     model, tokenizer = backend.base_model(), backend.tokenizer
@@ -391,7 +412,10 @@ def train_adapter(backend, prompts_file: str | Path | None, work_dir: str | Path
     if corpus is not None:
         feature_kwargs = dict(layers=config.layers(), top_k=config.top_k, progress=progress)
         heldout_paths = corpus_feature_shards(corpus, model, work / "features", "heldout", **feature_kwargs)
-        train_paths = corpus_feature_shards(corpus, model, work / "features", "train", max_prompts=config.num_prompts,
+        fast = config.feature_matmuls != "float32"  # perturbed features: a directory of their own
+        train_paths = corpus_feature_shards(corpus, model, work / ("features-" + config.feature_matmuls if fast else "features"),
+                                            "train", max_prompts=config.num_prompts,
+                                            matmul_dtype=getattr(torch, config.feature_matmuls) if fast else None,
                                             **feature_kwargs)
     else:
         heldout_paths = build_shards(model, tokenizer, heldout_prompts, work / "shards", "heldout", **shard_kwargs)
@@ -456,8 +480,10 @@ def train_adapter(backend, prompts_file: str | Path | None, work_dir: str | Path
         losses = []
         bar = tqdm(_batches(train_records, config.batch_size, rng), total=steps_per_epoch, desc=f"epoch {epoch}/{config.epochs}", unit="batch")
         for batch in bar:
-            loss = training_loss(adapter, head, _collate(batch, head.weight.dtype, deep=adapter.reads_deep_states),
-                                 config, vocab_index)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.train_matmuls == "bfloat16"):
+                loss = training_loss(adapter, head, _collate(batch, head.weight.dtype,
+                                                             deep=adapter.reads_deep_states or bool(config.feature_weight)),
+                                     config, vocab_index)
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, config.grad_clip)

@@ -54,11 +54,16 @@ def generate_answers(model, tokenizer, prompt_ids: list[list[int]], max_new_toke
 
 
 @torch.inference_mode()
-def extract_features(model, sequences: list[list[int]], prompt_lengths: list[int], layers: Sequence[int], top_k: int) -> dict:
+def extract_features(model, sequences: list[list[int]], prompt_lengths: list[int], layers: Sequence[int], top_k: int,
+                     matmul_dtype: torch.dtype | None = None) -> dict:
     """One forward pass over right-padded sequences → shard tensors (see module docstring).
 
     The LM head runs only where a label is needed (positions whose next token is a response token): on long RAG
     prompts the full-vocabulary logits of every prompt position would cost more than the rest of the pass.
+
+    ``matmul_dtype`` (e.g. ``torch.bfloat16``): the model body's matrix products run in that dtype under autocast
+    (residual stream, norms and the LM head stay in the model's dtype) — a faster, slightly perturbed pass for
+    *training* features; held-out features, which judge agreement with the real target, never use it.
     """
     width = max(map(len, sequences))
     ids = torch.zeros((len(sequences), width), dtype=torch.long)
@@ -68,8 +73,10 @@ def extract_features(model, sequences: list[list[int]], prompt_lengths: list[int
         ids[row, : len(seq)] = torch.tensor(seq)
         mask[row, : len(seq)] = 1
         select[row, p - 1 : len(seq) - 1] = True
-    out = model.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-    logprobs = torch.log_softmax(model.lm_head(out.last_hidden_state[select]).float(), dim=-1)  # [N, V]
+    with torch.autocast("cpu", dtype=matmul_dtype, enabled=matmul_dtype is not None):
+        out = model.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    deep = out.last_hidden_state.to(model.lm_head.weight.dtype)
+    logprobs = torch.log_softmax(model.lm_head(deep[select]).float(), dim=-1)  # [N, V]
     top = torch.topk(logprobs, top_k, dim=-1)
     topk_ids = torch.zeros((*ids.shape, top_k), dtype=torch.int32)
     topk_logprobs = torch.zeros((*ids.shape, top_k), dtype=torch.float16)
@@ -84,7 +91,7 @@ def extract_features(model, sequences: list[list[int]], prompt_lengths: list[int
     }
     for layer in layers:
         shard[f"hidden_l{layer}"] = out.hidden_states[layer].to(torch.float16)
-    shard["deep"] = out.last_hidden_state.to(torch.float16)
+    shard["deep"] = deep.to(torch.float16)
     return shard
 
 
@@ -148,10 +155,12 @@ def load_shards(paths: Sequence[Path], layer: int) -> Iterator[dict]:
 
 
 def corpus_feature_shards(corpus, model, directory: Path, split: str, *, layers: Sequence[int], top_k: int,
-                          batch_size: int = 8, max_prompts: int | None = None, progress: bool = True) -> list[Path]:
+                          batch_size: int = 8, max_prompts: int | None = None, progress: bool = True,
+                          matmul_dtype: torch.dtype | None = None) -> list[Path]:
     """Recompute hidden states and soft labels from a committed corpus (:mod:`kangaroo_tools.corpus`) by a batched
     teacher-forced pass: one feature shard per ``batch_size`` sequences, under ``directory`` (a cache, never
-    committed; existing shards are kept, so an interrupted pass resumes). ``max_prompts`` bounds the split."""
+    committed; existing shards are kept, so an interrupted pass resumes). ``max_prompts`` bounds the split;
+    ``matmul_dtype``: see :func:`extract_features` (callers keep such shards in their own directory)."""
     from kangaroo_tools.corpus import read_shard
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -174,7 +183,8 @@ def corpus_feature_shards(corpus, model, directory: Path, split: str, *, layers:
             paths.append(path)
             batch = records[sub:sub + batch_size]
             if not path.exists():
-                shard = extract_features(model, [r.tokens for r in batch], [len(r.prompt) for r in batch], layers, top_k)
+                shard = extract_features(model, [r.tokens for r in batch], [len(r.prompt) for r in batch], layers, top_k,
+                                         matmul_dtype)
                 tmp = path.with_suffix(".tmp")
                 save_file({k: v.contiguous() for k, v in shard.items()}, tmp,
                           metadata={"prompt_ids": json.dumps([r.prompt_id for r in batch])})
