@@ -325,3 +325,14 @@ def test_feature_loss_adds_the_weighted_regression_to_the_deep_states(backend):
         assert float(regression) > 0
         difference = training_loss(adapter, head, batch, weighted, None) - training_loss(adapter, head, batch, plain, None)
         assert float(difference) == pytest.approx(0.5 * float(regression), rel=1e-5)  # the loss sums in float32
+
+
+def test_cli_matmul_choices_are_the_training_configs():
+    """``--feature-matmuls`` / ``--train-matmuls`` list their choices in the core CLI (which imports the training
+    tools only when the command runs); they must stay the ones TrainConfig accepts."""
+    from kangaroo_core.cli import train_adapter_command
+    from kangaroo_tools.adapter_training import MATMUL_DTYPES
+
+    options = {p.name: p for p in train_adapter_command.params}
+    for name in ("feature_matmuls", "train_matmuls"):
+        assert tuple(options[name].type.choices) == MATMUL_DTYPES

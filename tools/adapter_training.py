@@ -41,6 +41,10 @@ from kangaroo_tools.prompts import read_prompts
 from kangaroo_tools.replay import Answer, simulate_policy
 
 
+#: dtypes of the feature pass's and the training steps' matrix products (bfloat16: autocast)
+MATMUL_DTYPES = ("float32", "bfloat16")
+
+
 @attrs.frozen
 class TrainConfig:
     """Everything that determines a training run (recorded in the report)."""
@@ -74,9 +78,9 @@ class TrainConfig:
     feature_weight: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))  # EAGLE's regression to z_q
     prompt_queries: bool = False  # also train on the prompt's positions (the target's labels there; never drafted)
     # the training features' matrix products (held-out features always run in the model's dtype)
-    feature_matmuls: str = attrs.field(default="float32", validator=attrs.validators.in_(("float32", "bfloat16")))
+    feature_matmuls: str = attrs.field(default="float32", validator=attrs.validators.in_(MATMUL_DTYPES))
     # the training steps' matrix products (autocast; parameters, optimizer and evaluation stay float32)
-    train_matmuls: str = attrs.field(default="float32", validator=attrs.validators.in_(("float32", "bfloat16")))
+    train_matmuls: str = attrs.field(default="float32", validator=attrs.validators.in_(MATMUL_DTYPES))
 
     def layers(self) -> list[int]:
         return sorted({self.exit_layer, *self.record_layers})
@@ -476,14 +480,14 @@ def train_adapter(backend, prompts_file: str | Path | None, work_dir: str | Path
     rng = random.Random(config.seed)
     for _ in range(len(history) - 1):  # replay the shuffles of finished epochs so a resumed run is the same run
         list(_batches(train_records, config.batch_size, rng))
+    wants_deep = adapter.reads_deep_states or bool(config.feature_weight)  # the feature loss regresses to z_q
+    bf16_steps = config.train_matmuls == "bfloat16"
     for epoch in range(len(history), config.epochs + 1):
         losses = []
         bar = tqdm(_batches(train_records, config.batch_size, rng), total=steps_per_epoch, desc=f"epoch {epoch}/{config.epochs}", unit="batch")
         for batch in bar:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.train_matmuls == "bfloat16"):
-                loss = training_loss(adapter, head, _collate(batch, head.weight.dtype,
-                                                             deep=adapter.reads_deep_states or bool(config.feature_weight)),
-                                     config, vocab_index)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_steps):
+                loss = training_loss(adapter, head, _collate(batch, head.weight.dtype, deep=wants_deep), config, vocab_index)
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
