@@ -170,6 +170,10 @@ def test_pipeline_resumes_after_interruption_at_each_stage(tmp_path, backend, mo
     report = json.loads((out / "training_report.json").read_text())
     assert report["data"]["train_prompts"] == 16 and report["data"]["train_response_tokens"] > 0
     assert set(report["wall_seconds"]) == {"prompts", "data", "train"}
+    # the resumed run computed no shard (its data stage only timed the reading); the fresh one computed them all
+    shards = resumed["data"]["shards"]["reused"]
+    assert shards > 0 and resumed["data"]["shards"]["computed"] == 0
+    assert fresh["data"]["shards"] == {"computed": shards, "reused": 0}
     assert (out / "training_curves.png").stat().st_size > 1000
     meta = json.loads((out / "adapter.json").read_text())
     assert meta["exit_layer"] == 1 and meta["base_model_fingerprint"] == backend.fingerprint

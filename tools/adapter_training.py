@@ -411,6 +411,7 @@ def train_adapter(backend, prompts_file: str | Path | None, work_dir: str | Path
 
     # 2. data: self-distilled answers + features
     t0 = time.perf_counter()
+    cached = set(work.rglob("*.safetensors"))  # shards a previous run left: the report tells them from computed ones
     shard_kwargs = dict(layers=config.layers(), batch_size=config.generation_batch_size,
                         max_new_tokens=config.max_new_tokens, top_k=config.top_k, eos_ids=set(backend.eos_token_ids))
     if corpus is not None:
@@ -428,6 +429,8 @@ def train_adapter(backend, prompts_file: str | Path | None, work_dir: str | Path
     if not train_paths:
         raise KangarooError(f"no training shards in {work / 'shards'} yet")
     timings["data"] = time.perf_counter() - t0
+    reused = sum(p in cached for p in [*heldout_paths, *train_paths])
+    shard_counts = {"computed": len(heldout_paths) + len(train_paths) - reused, "reused": reused}
     train_records = list(load_shards(train_paths, config.exit_layer))
     heldout_records = list(load_shards(heldout_paths, config.exit_layer))
     count = lambda rs: sum(r["hidden"].shape[0] for r in rs)
@@ -516,7 +519,8 @@ def train_adapter(backend, prompts_file: str | Path | None, work_dir: str | Path
         "base_model_fingerprint": backend.fingerprint,
         "data": {"train_prompts": sum(1 for _ in train_records), "heldout_prompts": len(heldout_records),
                  "train_tokens": count(train_records), "train_response_tokens": response(train_records),
-                 "heldout_tokens": count(heldout_records), "heldout_response_tokens": response(heldout_records)},
+                 "heldout_tokens": count(heldout_records), "heldout_response_tokens": response(heldout_records),
+                 "shards": shard_counts},
         "wall_seconds": timings,
         "history": history,
         "final": final,
