@@ -106,6 +106,33 @@ def test_runner_keys_follow_the_deep_states_it_was_given():
     assert torch.allclose(got, want, atol=1e-10)
 
 
+@pytest.mark.parametrize("first_query", [0, 6])
+def test_training_pass_equals_drafting_at_every_depth_and_query(first_query):
+    """Every row the training pass computes (depth j, query q >= max(first_query, j + 1)) equals the runner's draft at
+    query q with the deep states of positions <= q - j - 1 verified — the key sets the pass builds (fused keys up to
+    the latest verified position, plain keys of the round) are exactly what drafting reads; earlier rows are zeros."""
+    from kangaroo_plugins.kangaroo.runners import DeepContextTorchRunner
+
+    m = tiny_llama(4, layers=3, heads=4, kv_heads=2, dtype=torch.float64)
+    adapter = random_adapter(m, 1, 9, ffn=True).eval()
+    gen = torch.Generator().manual_seed(5)
+    t = 12
+    h = torch.randn(1, t, 32, generator=gen, dtype=torch.float64)
+    z = torch.randn(1, t, 32, generator=gen, dtype=torch.float64)
+    head = adapter.drafting_head(m.lm_head)
+    with torch.inference_mode():
+        outs = adapter.forward_depths(h, z, [0, 1, 2, 3], first_query=first_query)
+        for j, out in enumerate(outs):
+            lo = max(first_query, j + 1)
+            assert torch.equal(out[0, :lo], torch.zeros_like(out[0, :lo]))
+            for q in range(lo, t):
+                runner = DeepContextTorchRunner(adapter, m.lm_head)
+                runner.observe_deep(0, z[0, : q - j])  # verified: positions 0 .. q - j - 1
+                runner.advance(h[0, : q - j], 0)
+                got = runner.advance(h[0, q - j: q + 1], q - j)  # the round's first token and j drafts
+                assert torch.allclose(got, head(out[0, q]), atol=1e-10), (j, q)
+
+
 def test_the_exported_graphs_attention_equals_the_runners():
     """``attend_biased`` (the ONNX graph's attention: grouped heads by reshape, an additive bias) equals
     ``attend_all`` for a chain's one query and ``attend_masked`` (SDPA, a boolean mask) for a token tree's rows."""

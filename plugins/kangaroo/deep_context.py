@@ -20,7 +20,7 @@ Network (zero-initialised fusions, so an untrained one is exactly the paper's ad
 
 Training (``forward_depths``) shows it exactly the pattern it meets while drafting: for depth j, query q attends to
 fused keys of positions <= q - j - 1 and to plain keys of q - j..q, with z_{q-j-1} in its query — every depth in one
-pass over two key sets ([fused; plain], 2T keys).
+pass over two key sets (fused keys of the verified positions, then plain keys of the round's positions).
 """
 
 from __future__ import annotations
@@ -149,8 +149,6 @@ class DeepContextAdapter(KangarooAdapter):
         ones = torch.ones(b, t, 1, dtype=hidden.dtype, device=hidden.device)
         k_fused, v_fused = self.keys_values(self.kv_input(hidden, deep, ones), positions)
         k_plain, v_plain = self.keys_values(hidden, positions)
-        keys = self._expand(torch.cat([k_fused, k_plain], dim=2))  # [B, H, 2T, hd]: fused, then plain
-        values = self._expand(torch.cat([v_fused, v_plain], dim=2))
         f = min(max(first_query, 0), t - 1)
         outputs = []
         for j in depths:
@@ -162,13 +160,20 @@ class DeepContextAdapter(KangarooAdapter):
             latest = deep[:, lo - j - 1: t - j - 1]  # z_{q-j-1}
             depth = torch.full((b, t - lo), j, dtype=torch.long, device=hidden.device)
             x_q = self.query_input(hidden[:, lo:], latest, depth)
-            q_pos, k_pos = queries[:, None], positions[None, :]
-            verified = k_pos <= q_pos - j - 1  # fused keys of verified positions
-            recent = (k_pos >= q_pos - j) & (k_pos <= q_pos)  # the round's positions so far: layer-l only
-            allowed = torch.cat([verified, recent], dim=1)  # [Tq, 2T]
+            # keys: fused ones of positions <= t - j - 2 (the latest any query here has verified), then plain ones of
+            # positions >= lo - j (the earliest round start here): the plain keys of the prompt are never read
+            fused_end, plain_start = t - j - 1, lo - j
+            keys = torch.cat([k_fused[:, :, :fused_end], k_plain[:, :, plain_start:]], dim=2)  # [B, kvh, Tk, hd]
+            values = torch.cat([v_fused[:, :, :fused_end], v_plain[:, :, plain_start:]], dim=2)
+            q_pos = queries[:, None]
+            verified = positions[None, :fused_end] <= q_pos - j - 1  # fused keys of verified positions
+            plain = positions[None, plain_start:]
+            recent = (plain >= q_pos - j) & (plain <= q_pos)  # the round's positions so far: layer-l only
+            allowed = torch.cat([verified, recent], dim=1)  # [Tq, Tk]
             # one fused attention kernel over both key sets (PyTorch's SDPA: far less memory traffic than masked
-            # matmuls on the long prompts training sees)
+            # matmuls on the long prompts training sees); grouped-query heads read their key group in the kernel
             attended = torch.nn.functional.scaled_dot_product_attention(self.queries(x_q, queries), keys, values,
-                                                                        attn_mask=allowed, scale=self.scaling)
+                                                                        attn_mask=allowed, scale=self.scaling,
+                                                                        enable_gqa=self.heads != self.kv_heads)
             outputs.append(torch.cat([hidden.new_zeros(b, lo, d), self.finish(x_q, attended)], dim=1))
         return outputs
