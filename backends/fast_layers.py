@@ -65,23 +65,26 @@ class SmallBatchLinear(torch.nn.Module):
 def kernel_attention(kernel, query, key, value, attention_mask, scaling) -> torch.Tensor | None:
     """The small-batch attention kernel's output [b, q, H, d], or None where it does not apply (then SDPA runs).
 
-    Shapes: query [1, H, q, d]; key/value [1, Hkv, k, d] (views of the cache: rows of d contiguous);
+    Shapes: query [1, H, q, d] (any head and row strides: the projection's [1, q, H, d] output transposed is read
+    as it is, not copied); key/value [1, Hkv, k, d] (views of the cache: rows of d contiguous);
     attention_mask additive [1, 1, q, >= k] or None."""
     b, heads, q, d = query.shape
     keys = key.shape[-2]
     if (b != 1 or q > EXACT_ROWS or query.dtype != torch.float32 or key.dtype != torch.float32
             or query.device.type != "cpu" or key.stride()[-2:] != (d, 1) or value.stride() != key.stride()):
         return None
+    if query.stride(-1) != 1:
+        query = query.contiguous()
     mask = None
     if attention_mask is not None:
         mask = attention_mask[0, 0, :, :keys]
         if mask.dtype != torch.float32 or mask.stride(-1) != 1:
             mask = mask.to(torch.float32).contiguous()
-    query = query.contiguous()
     out = torch.empty(1, q, heads, d, dtype=query.dtype)
     scale = float(scaling) if scaling is not None else d ** -0.5
     if kernel(query.data_ptr(), key.data_ptr(), value.data_ptr(), 0 if mask is None else mask.data_ptr(),
-              out.data_ptr(), heads, key.shape[1], q, keys, d, key.stride(1), 0 if mask is None else mask.stride(0),
+              out.data_ptr(), heads, key.shape[1], q, keys, d, query.stride(1), query.stride(2), key.stride(1),
+              0 if mask is None else mask.stride(0),
               scale, torch.get_num_threads()) != 0:
         raise MemoryError("small-batch attention: out of memory")
     return out

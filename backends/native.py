@@ -86,6 +86,7 @@ def small_batch_kernel() -> tuple[object | None, str]:
 
 def small_batch_attention() -> tuple[object | None, str]:
     """``(function, "")`` or ``(None, why not)``; the function is ``small_batch_attention(query, key, value, mask, out,
-    heads, kv_heads, rows, keys, head_dim, kv_head_stride, mask_row_stride, scale, threads)`` (see the C source)."""
+    heads, kv_heads, rows, keys, head_dim, query_head_stride, query_row_stride, kv_head_stride, mask_row_stride, scale,
+    threads)`` (see the C source)."""
     return _function("small_batch_attention",
-                     [ctypes.c_void_p] * 5 + [ctypes.c_long] * 7 + [ctypes.c_float, ctypes.c_int])
+                     [ctypes.c_void_p] * 5 + [ctypes.c_long] * 9 + [ctypes.c_float, ctypes.c_int])

@@ -191,9 +191,13 @@ class GraphRunner:
     """
 
     def __init__(self, session, inputs: list[str], outputs: list[str], kv_layers: int, kv_shape: tuple[int, int],
-                 max_positions: int, device: torch.device, window: int | None = None, plain_session=None):
+                 max_positions: int, device: torch.device, window: int | None = None, plain_session=None,
+                 plain_one_row: bool = True):
         self.session, self.device = session, device
-        self.plain_session = plain_session  # a 4-bit export's plain graph: prefill and one-row calls
+        self.plain_session = plain_session  # a 4-bit export's prefill graph: the prompt's pass (nothing cached yet)
+        # ... and the one-row calls, where its one-row kernel is the row-by-row graph's (not where it computes at
+        # another accuracy level than the graph: an int8 export's float32-activation prefill graph)
+        self.plain_one_row = plain_one_row
         self.binder = Binder(device)
         self.inputs, self.outputs = inputs, outputs
         self.past_names = [name for name in inputs if name.startswith("past_")]
@@ -242,8 +246,8 @@ class GraphRunner:
         ``extra``: further graph inputs by name (e.g. a drafter graph's side inputs), fed as they are. ``tree``
         (a :class:`~kangaroo_core.tree.TreeAttention`): the rows are tree nodes (their positions and visibility)."""
         n, start = first.shape[1], self.length
-        # a 4-bit export's plain graph: the prefill, and one-row calls (its one-row kernel is the row-by-row one's)
-        plain = self.plain_session is not None and (start == 0 or n == 1)
+        # a 4-bit export's prefill graph: the prompt's pass, and one-row calls where its one-row kernel is the graph's
+        plain = self.plain_session is not None and (start == 0 or (n == 1 and self.plain_one_row))
         session = self.plain_session if plain else self.session
         binding = self.binder.binding(session)
         first = first.contiguous()
@@ -426,10 +430,11 @@ class OnnxBackend(Backend):
         return session
 
     def open_graph(self, path: Path, inputs: list[str], outputs: list[str], kv_layers: int,
-                   plain_path: Path | None = None, spin: bool = False) -> GraphRunner:
+                   plain_path: Path | None = None, spin: bool = False, plain_one_row: bool = True) -> GraphRunner:
         """Run an ONNX graph of the backend's KV layout (see :class:`GraphRunner`); checks its input/output names.
-        ``plain_path``: a graph with the same inputs and outputs for the calls with nothing cached yet and the
-        one-row calls (a 4-bit export's plain graph: see :func:`~kangaroo_backends.gguf_nbits.row_by_row`).
+        ``plain_path``: a graph with the same inputs and outputs for the calls with nothing cached yet and, with
+        ``plain_one_row``, the one-row calls (a 4-bit export's prefill graph: see
+        :func:`~kangaroo_backends.gguf_nbits.row_by_row` and ``onnx_export.PREFILL_ACCURACY_LEVEL``).
         ``spin``: its threads busy-wait between ops (the backend's deep graph; see :data:`SPINNING`)."""
         sessions = [self.session(p, spin=spin) for p in (path, plain_path) if p is not None]
         for file, session in zip((path, plain_path), sessions):
@@ -441,7 +446,7 @@ class OnnxBackend(Backend):
         head_dim = getattr(self.model.config, "head_dim", None) or head_dim
         return GraphRunner(session, inputs, outputs, kv_layers, (self.model.config.num_key_value_heads, head_dim),
                            self.max_context, self.device, window=sliding_window(self.model.config),
-                           plain_session=sessions[1] if len(sessions) > 1 else None)
+                           plain_session=sessions[1] if len(sessions) > 1 else None, plain_one_row=plain_one_row)
 
     def _ensure(self) -> None:
         """Export (once) and open the three graphs; called when a generation starts, never per token."""
@@ -467,8 +472,9 @@ class OnnxBackend(Backend):
             inputs, outputs = graph_io(name, self.model.config, self.exit_layer)
             kv_layers = sum(i.startswith("past_") for i in inputs) // 2
             prefill = graph_file(directory, manifest, name, directory / MANIFEST, key="prefill_file", optional=True)
+            same_level = manifest["graphs"][name].get("prefill_accuracy_level", self.accuracy_level) == self.accuracy_level
             runners[name] = self.open_graph(graph_file(directory, manifest, name, directory / MANIFEST), inputs, outputs,
-                                            kv_layers, plain_path=prefill,
+                                            kv_layers, plain_path=prefill, plain_one_row=same_level,
                                             spin=name == "deep" and self.spinning == "deep")
         self.shallow_runner, self.deep_runner, self.head_runner = runners["shallow"], runners["deep"], runners["head"]
         self.manifest = manifest

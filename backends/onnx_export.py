@@ -57,10 +57,19 @@ FORMAT = "kangaroo-onnx"
 FORMAT_VERSION = 3
 #: how the graphs are written inside an unchanged interface (2: the lean attention of :class:`Attention`; 3: 4-bit
 #: products row by row, :func:`~kangaroo_backends.gguf_nbits.row_by_row`; 4: int8-activation graphs multiply all rows
-#: at once, :func:`~kangaroo_backends.gguf_nbits.rows_at_once`); recorded in the manifest and part of the
-#: export cache's key, so a cached export of an older revision is re-exported, while a bundle of an older revision
+#: at once, :func:`~kangaroo_backends.gguf_nbits.rows_at_once`; 5: int8-activation exports prefill the prompt in
+#: graphs of their own at float32 activations, :data:`PREFILL_ACCURACY_LEVEL`); recorded in the manifest and part of
+#: the export cache's key, so a cached export of an older revision is re-exported, while a bundle of an older revision
 #: still loads (same inputs and outputs; an older 4-bit bundle runs the target alone only)
-GRAPH_REVISION = 4
+GRAPH_REVISION = 5
+#: the MatMulNBits accuracy level of an int8-activation export's prefill graphs (the prompt's pass, nothing cached
+#: yet): float32 activations. Why: onnxruntime's int8-activation kernel is fast for a few rows but slow for hundreds —
+#: measured on 2026-12-04's Intel Xeon (2 threads, SmolLM2 shapes, 773 rows): 208-273 G/s at level 4 against
+#: 361-373 at level 1 and 415-454 for float32 MatMul; SmolLM2's deep graph prefills a 773-token prompt in 950 ms
+#: instead of 1,200 (1 thread: 1,545 instead of 2,126). The prompt's pass is the same pass for the target alone and
+#: for Kangaroo (both prefill the same prompt at position 0), so this keeps Kangaroo equal to its target alone; every
+#: later pass (one row, or a verify pass) runs the int8 graphs.
+PREFILL_ACCURACY_LEVEL = 1
 #: the export cache's directory name under ``onnx/``
 EXPORT_KEY = f"v{FORMAT_VERSION}.{GRAPH_REVISION}"
 DEFAULT_OPSET = 17
@@ -497,14 +506,18 @@ def export_onnx(model, out_dir: str | os.PathLike, *, exit_layer: int, fingerpri
             if nbits is not None:
                 lossy = tolerance if accuracy_level <= 1 else LOSSY_TOLERANCE
                 one_by_one = not rows_at_once(accuracy_level)
-                if name != "head" and one_by_one:  # the prefill's own graph: rows at once (see gguf_nbits.row_by_row)
+                # the prefill's own graph, rows at once: at the same level when the other graphs go row by row (see
+                # gguf_nbits.row_by_row), at float32 activations when they are int8 ones (PREFILL_ACCURACY_LEVEL)
+                prefill_level = accuracy_level if one_by_one else PREFILL_ACCURACY_LEVEL
+                if name != "head" and (one_by_one or accuracy_level > prefill_level):
                     prefill_file = tmp / f"{name}.prefill.onnx"
                     shutil.copyfile(file, prefill_file)
-                    _quantize(prefill_file, name, model, nbits, exit_layer, num_layers, accuracy_level,
+                    _quantize(prefill_file, name, model, nbits, exit_layer, num_layers, prefill_level,
                               rows_one_by_one=False)
                     check_tolerance(f"{name} (prefill)", validate_outputs(prefill_file, inputs,
-                                                                          _cases(name, model, exit_layer)), lossy)
-                    prefill = {"prefill_file": prefill_file.name}
+                                                                          _cases(name, model, exit_layer)),
+                                    tolerance if prefill_level <= 1 else LOSSY_TOLERANCE)
+                    prefill = {"prefill_file": prefill_file.name, "prefill_accuracy_level": int(prefill_level)}
                 quantized = _quantize(file, name, model, nbits, exit_layer, num_layers, accuracy_level,
                                       rows_one_by_one=one_by_one)
                 check = validate_outputs(file, inputs, _cases(name, model, exit_layer))

@@ -49,14 +49,18 @@ static inline v16 exp16(v16 x) {
 
 /* Scores of every query vector of one KV head against one block of 16 keys: the block is transposed once, then each
  * score is a sum over the head dimension in order (lane l holds key j0 + l; no lane depends on the others). */
-static void score_block(const float *q, long vectors, long rows, const float *k, const float *mask, long mask_stride,
+static void score_block(const float *q, long head_stride, long row_stride, long vectors, long rows, const float *k,
+                        const float *mask, long mask_stride,
                         float *s, long padded, long j0, long keys, long d, float scale, float *kt) {
     long count = keys - j0 < 16 ? keys - j0 : 16;
     for (long t = 0; t < d; t++)
         for (long l = 0; l < 16; l++) kt[t * 16 + l] = l < count ? k[(j0 + l) * d + t] : 0.0f;
     for (long a0 = 0; a0 < vectors; a0 += 8) {  /* eight vectors at a time: eight independent FMA chains */
         const float *qa[8];
-        for (int x = 0; x < 8; x++) qa[x] = q + (a0 + x < vectors ? a0 + x : vectors - 1) * d;
+        for (int x = 0; x < 8; x++) {  /* vector a: the a / rows-th query head of this KV head, row a % rows */
+            long a = a0 + x < vectors ? a0 + x : vectors - 1;
+            qa[x] = q + (a / rows) * head_stride + (a % rows) * row_stride;
+        }
         v16 acc[8] = {{0}, {0}, {0}, {0}, {0}, {0}, {0}, {0}};
         for (long t = 0; t < d; t++) {
             v16 kv = load16(kt + t * 16);
@@ -126,21 +130,33 @@ static void weigh_values_##G(float *s, long padded, const float *v, float **out,
         exponentiate(s + g * padded, keys);                                                               \
         total[g] = 0.0f;                                                                                  \
     }                                                                                                     \
-    for (long j = 0; j < keys; j++)                                                                       \
-        for (int g = 0; g < G; g++) total[g] += s[g * padded + j];                                        \
     long t = 0;                                                                                           \
+    int summed = 0;  /* the denominators ride along the first chunk's key loop (their adds hide under its FMAs) */ \
     for (; t + 64 <= t16; t += 64) {                                                                      \
         v16 acc[G][4];                                                                                    \
         for (int g = 0; g < G; g++)                                                                       \
             for (int c = 0; c < 4; c++) acc[g][c] = (v16){0};                                             \
-        for (long j = 0; j < keys; j++)  /* in key order; four 16-lane chunks: independent FMA chains */ \
-            for (int c = 0; c < 4; c++) {                                                                 \
-                v16 vc = load16(v + j * d + t + 16 * c);                                                  \
-                for (int g = 0; g < G; g++) acc[g][c] += s[g * padded + j] * vc;                          \
+        if (!summed)                                                                                      \
+            for (long j = 0; j < keys; j++) {  /* in key order; four 16-lane chunks: independent FMA chains */ \
+                for (int g = 0; g < G; g++) total[g] += s[g * padded + j];                                \
+                for (int c = 0; c < 4; c++) {                                                             \
+                    v16 vc = load16(v + j * d + t + 16 * c);                                              \
+                    for (int g = 0; g < G; g++) acc[g][c] += s[g * padded + j] * vc;                      \
+                }                                                                                         \
             }                                                                                             \
+        else                                                                                              \
+            for (long j = 0; j < keys; j++)                                                               \
+                for (int c = 0; c < 4; c++) {                                                             \
+                    v16 vc = load16(v + j * d + t + 16 * c);                                              \
+                    for (int g = 0; g < G; g++) acc[g][c] += s[g * padded + j] * vc;                      \
+                }                                                                                         \
+        summed = 1;                                                                                       \
         for (int g = 0; g < G; g++)                                                                       \
             for (int c = 0; c < 4; c++) store16(out[g] + t + 16 * c, acc[g][c] / total[g]);               \
     }                                                                                                     \
+    if (!summed)                                                                                          \
+        for (long j = 0; j < keys; j++)                                                                   \
+            for (int g = 0; g < G; g++) total[g] += s[g * padded + j];                                    \
     if (t < d)                                                                                            \
         for (int g = 0; g < G; g++) weigh_tail(s + g * padded, v, out[g], keys, d, t, total[g]);          \
 }
@@ -151,11 +167,13 @@ WEIGH_GROUP(1) WEIGH_GROUP(2) WEIGH_GROUP(3) WEIGH_GROUP(4)
 typedef void (*weigh_fn)(float *, long, const float *, float **, long, long);
 static const weigh_fn WEIGH[GROUP + 1] = {0, weigh_values_1, weigh_values_2, weigh_values_3, weigh_values_4};
 
-/* out[rows, heads, d] = softmax(scale * Q K^T + mask) V for query [heads, rows, d] (contiguous); key/value
+/* out[rows, heads, d] = softmax(scale * Q K^T + mask) V for query [heads, rows, d] with head stride q_head_stride and
+ * row stride q_row_stride (rows of d contiguous: the projection's [rows, heads, d] output read as it is); key/value
  * [kv_heads, keys, d] with head stride kv_stride (a view of the cache); mask [rows, keys] with row stride
  * mask_stride, or NULL. Query head h reads KV head h / (heads / kv_heads). 0 on success, -1 out of memory. */
 int small_batch_attention(const float *query, const float *key, const float *value, const float *mask, float *out,
-                          long heads, long kv_heads, long rows, long keys, long d, long kv_stride, long mask_stride,
+                          long heads, long kv_heads, long rows, long keys, long d, long q_head_stride, long q_row_stride,
+                          long kv_stride, long mask_stride,
                           float scale, int threads) {
     long groups = heads / kv_heads, vectors = groups * rows, padded = (keys + 15) & ~15L, blocks = padded / 16;
     float *scores = malloc(sizeof(float) * (size_t)(kv_heads * vectors * padded));
@@ -168,8 +186,9 @@ int small_batch_attention(const float *query, const float *key, const float *val
         #pragma omp for schedule(static)
         for (long item = 0; item < kv_heads * blocks; item++) {
             long kv = item / blocks, j0 = (item % blocks) * 16;
-            if (kt)  /* the vectors of KV head kv are query[(kv * groups * rows + a) * d], a < groups * rows */
-                score_block(query + kv * vectors * d, vectors, rows, key + kv * kv_stride, mask, mask_stride,
+            if (kt)  /* the vectors of KV head kv: its groups query heads, each with its rows */
+                score_block(query + kv * groups * q_head_stride, q_head_stride, q_row_stride, vectors, rows,
+                            key + kv * kv_stride, mask, mask_stride,
                             scores + kv * vectors * padded, padded, j0, keys, d, scale, kt);
         }
         /* GROUP vectors of one KV head per item (the last item of each head takes the rest) */

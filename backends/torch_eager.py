@@ -20,6 +20,7 @@ from kangaroo_backends.fast_layers import fast_layers
 from kangaroo_backends.kv_cache import KVCache, causal_mask
 from kangaroo_backends.loading import load_model
 from kangaroo_backends.native import small_batch_attention, small_batch_kernel
+from kangaroo_backends.weight_arena import place_weights
 from kangaroo_core.config import ConfigError, DecodeConfig
 from kangaroo_core.hookspecs import hookimpl
 from kangaroo_core.interfaces import Backend, DeepOutput
@@ -129,6 +130,8 @@ class TorchBackend(Backend):
         if kernels not in KERNELS:
             raise ConfigError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
         loaded, tokenizer, name = load_model(model, dtype=DTYPES[dtype])
+        if kernels != "plain":  # a model we loaded ourselves (a model object passed in is left exactly as it is)
+            place_weights(loaded)  # aligned, huge-page-backed CPU weights, same values (kangaroo_backends.weight_arena)
         return cls(loaded, tokenizer, config.exit_layer, name, kernels=kernels)
 
     def base_model(self):

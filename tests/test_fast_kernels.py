@@ -12,6 +12,7 @@ from kangaroo_backends import native
 from kangaroo_backends.fast_layers import SmallBatchLinear, fast_layers, grouped_sdpa, kernel_attention
 from kangaroo_backends.kv_cache import causal_mask
 from kangaroo_backends.torch_eager import TorchBackend
+from kangaroo_backends.weight_arena import place_weights
 from kangaroo_core.bench.cost_model import measure_costs
 from kangaroo_core.cli import main
 from kangaroo_core.config import ConfigError, DecodeConfig
@@ -90,11 +91,14 @@ def test_attention_kernel_matches_sdpa_and_computes_each_row_alone(heads, kv_hea
     past, q, capacity = 37, 8, 64
     keys, values = torch.randn(2, 1, kv_heads, capacity, d, generator=gen)  # cache-like views: head stride capacity*d
     query = torch.randn(1, heads, q, d, generator=gen).transpose(2, 3).contiguous().transpose(2, 3)  # not contiguous
+    projected = query.transpose(1, 2).contiguous().transpose(1, 2)  # the q projection's layout: read in place
     module = torch.nn.Module()
     module.num_key_value_groups = heads // kv_heads
     for name, mask in _attention_masks(q, past).items():
         key, value = keys[:, :, : past + q], values[:, :, : past + q]
         got = kernel_attention(attention_kernel, query, key, value, mask, 0.3)
+        assert torch.equal(kernel_attention(attention_kernel, projected, key, value, mask, 0.3), got), name
+        assert torch.equal(kernel_attention(attention_kernel, query.contiguous(), key, value, mask, 0.3), got), name
         ref, _ = grouped_sdpa(module, query, key, value, mask, scaling=0.3)
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, msg=name)
         for i in range(q):
@@ -287,3 +291,41 @@ def test_profile_command(tiny_model_dir, tmp_path, capsys):
     assert [c["positions"] for c in curves] == [[1, 2, 4]] * 2 and plot.stat().st_size > 1000
     assert main(["profile", "--model", str(tiny_model_dir), "--positions", "0"]) == 2
     assert "positive" in capsys.readouterr().err
+
+
+def test_place_weights_aligns_every_weight_and_changes_nothing_else(tiny_model_dir):
+    """Weights mapped from safetensors sit at the file's 8-byte offsets; placed, each starts on a page (so every
+    weight row a kernel streams is cache-line aligned), with the same values, the same Parameter objects and the
+    tied head still tied — and the model computes the same logits bit for bit. Placing twice moves nothing."""
+    from kangaroo_backends.loading import load_model
+
+    model, _, _ = load_model(tiny_model_dir)
+    ids = torch.tensor([[1, 5, 9, 3, 7]])
+    with torch.no_grad():
+        before_logits = model(ids).logits
+    params = dict(model.named_parameters())
+    before = {name: p.detach().clone() for name, p in params.items()}
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert place_weights(model) == len(params)
+    assert dict(model.named_parameters()) == params  # the same objects
+    for name, p in model.named_parameters():
+        assert p.data_ptr() % 4096 == 0, name
+        assert torch.equal(p, before[name]), name
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before_logits)
+    assert place_weights(model) == 0
+
+
+def test_the_torch_backend_places_the_weights_of_models_it_loads_only(tiny_model_dir):
+    """The backend's own loading (CLI, bench, ``create``) places the weights for the fast path; ``kernels=plain``
+    keeps transformers' model exactly as loaded; a model object passed in is never touched."""
+    config = DecodeConfig(exit_layer=2)
+    fast = TorchBackend.create(config, model=str(tiny_model_dir))
+    assert all(p.data_ptr() % 4096 == 0 for p in fast.model.parameters())
+    plain = TorchBackend.create(config, model=str(tiny_model_dir), kernels="plain")
+    assert not all(p.data_ptr() % 4096 == 0 for p in plain.model.parameters())  # the file's own offsets
+    users = tiny_llama(3, vocab=64, dtype=torch.float32)
+    pointers = [p.data_ptr() for p in users.parameters()]
+    TorchBackend(users, TinyTokenizer(64, None), 2, "t")
+    assert [p.data_ptr() for p in users.parameters()] == pointers

@@ -263,8 +263,8 @@ def test_a_gguf_with_an_unmapped_type_is_refused(tiny_gguf, tmp_path):
 def test_a_verify_pass_reproduces_one_position_passes_bit_for_bit(tiny_gguf, tmp_path, level):
     """At float32 activations (level 1) MatMulNBits' multi-row kernel differs from its one-row kernel in the last
     bits, so those graphs go row by row; at int8 activations (level 4) the kernel computes each row alone, so those
-    graphs multiply all rows at once (no Scan, no prefill graph). Either way a pass over n positions gives exactly the
-    logits of n one-position passes."""
+    graphs multiply all rows at once (no Scan). Both prefill the prompt in a graph of their own, at float32
+    activations. Either way a pass over n positions gives exactly the logits of n one-position passes."""
     from kangaroo_backends.onnx_backend import OnnxBackend
     from kangaroo_backends.onnx_export import export_onnx
     from kangaroo_core.testing import TinyTokenizer, check_rows_exact
@@ -274,9 +274,13 @@ def test_a_verify_pass_reproduces_one_position_passes_bit_for_bit(tiny_gguf, tmp
                            quiet=True)
     at_once = level == 4
     assert (manifest["weights"]["rows"] == ROWS_AT_ONCE) is at_once
-    assert all(("prefill_file" in graph) is (name != "head" and not at_once) for name, graph in manifest["graphs"].items())
+    assert all(("prefill_file" in graph) is (name != "head") for name, graph in manifest["graphs"].items())
+    assert {manifest["graphs"][name]["prefill_accuracy_level"] for name in ("shallow", "deep")} == {1}
     scans = [node for node in onnx.load(str(tmp_path / "b" / "deep.onnx")).graph.node if node.op_type == "Scan"]
     assert bool(scans) is not at_once
+    levels = {a.i for node in onnx.load(str(tmp_path / "b" / "deep.prefill.onnx")).graph.node
+              if node.op_type == "MatMulNBits" for a in node.attribute if a.name == "accuracy_level"}
+    assert levels == {1}
     backend = OnnxBackend(model, TinyTokenizer(96, None), 1, "tiny", bundle=tmp_path / "b", provider="cpu", threads=2)
     check_rows_exact(backend, [7, 1, 30], [5, 17, 3, 88, 41, 9, 60, 2], splits=[(1, 7)])  # one row, then a 7-row pass
     check_rows_exact(backend, [7, 1, 30], [5, 17, 3, 88, 41, 9, 60, 2], splits=[(8,)])  # the prefill's pass too
@@ -300,6 +304,19 @@ def test_int8_activations_draft_losslessly_and_an_older_4_bit_bundle_is_refused(
     backend = OnnxBackend(model, TinyTokenizer(96, None), 1, "tiny", bundle=tmp_path / "a4", provider="cpu")
     assert backend.accuracy_level == 4 and backend.inexact_multi_position is None  # read before any session opens
     kangaroo_equals_target_alone(backend, [[(11 * seed + 5 * i) % 96 for i in range(6)] for seed in range(3)])
+
+    # the prompt's pass runs the float32-activation prefill graphs (transformers' final states within the export's
+    # 1e-4 tolerance); every later pass, one row or several, the int8 graphs (off by far more: lossy by choice)
+    prompt = [3, 14, 15, 92, 65, 35, 89, 79]
+    with torch.no_grad():
+        reference = model.model(torch.tensor([prompt])).last_hidden_state[0]
+    backend.reset()
+    prefill = backend.deep(backend.shallow(prompt[:6], 0), 0).hidden
+    after = torch.cat([backend.deep(backend.shallow(prompt[6:7], 6), 6).hidden,
+                       backend.deep(backend.shallow(prompt[7:], 7), 7).hidden])
+    scale = reference.abs().max()
+    assert (prefill - reference[:6]).abs().max() / scale < 1e-4
+    assert (after - reference[6:]).abs().max() / scale > 1e-3
     config = DecodeConfig(exit_layer=1, max_new_tokens=30)
 
     manifest_path = tmp_path / "a4" / "manifest.json"
