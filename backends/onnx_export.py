@@ -504,7 +504,6 @@ def export_onnx(model, out_dir: str | os.PathLike, *, exit_layer: int, fingerpri
             limit = check_tolerance(name, check, tolerance)
             quantized, prefill = None, {}
             if nbits is not None:
-                lossy = tolerance if accuracy_level <= 1 else LOSSY_TOLERANCE
                 one_by_one = not rows_at_once(accuracy_level)
                 # the prefill's own graph, rows at once: at the same level when the other graphs go row by row (see
                 # gguf_nbits.row_by_row), at float32 activations when they are int8 ones (PREFILL_ACCURACY_LEVEL)
@@ -516,12 +515,12 @@ def export_onnx(model, out_dir: str | os.PathLike, *, exit_layer: int, fingerpri
                               rows_one_by_one=False)
                     check_tolerance(f"{name} (prefill)", validate_outputs(prefill_file, inputs,
                                                                           _cases(name, model, exit_layer)),
-                                    tolerance if prefill_level <= 1 else LOSSY_TOLERANCE)
+                                    _tolerance_at(prefill_level, tolerance))
                     prefill = {"prefill_file": prefill_file.name, "prefill_accuracy_level": int(prefill_level)}
                 quantized = _quantize(file, name, model, nbits, exit_layer, num_layers, accuracy_level,
                                       rows_one_by_one=one_by_one)
                 check = validate_outputs(file, inputs, _cases(name, model, exit_layer))
-                limit = check_tolerance(name, check, lossy)
+                limit = check_tolerance(name, check, _tolerance_at(accuracy_level, tolerance))
             graphs[name] = {
                 **({"matmul_nbits": quantized} if quantized else {}),
                 **prefill,
@@ -559,6 +558,11 @@ def export_onnx(model, out_dir: str | os.PathLike, *, exit_layer: int, fingerpri
 #: 8-bit blocks run as MatMulNBits only with int8 activations: onnxruntime 1.32 has no fast 8-bit kernel for float32
 #: activations (measured, SmolLM2's 49152 x 576 head, 2 threads: 158 ms, against 3.4 ms as a float32 MatMul)
 FLOAT32_ACTIVATION_BITS = (4,)
+
+
+def _tolerance_at(accuracy_level: int, tolerance: float) -> float:
+    """The validation bound of a graph at ``accuracy_level``: strict at float32 activations, a sanity bound above."""
+    return tolerance if accuracy_level <= 1 else LOSSY_TOLERANCE
 
 
 def _quantize(file: Path, name: str, model, nbits: dict, exit_layer: int, num_layers: int, accuracy_level: int,

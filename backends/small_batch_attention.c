@@ -136,20 +136,14 @@ static void weigh_values_##G(float *s, long padded, const float *v, float **out,
         v16 acc[G][4];                                                                                    \
         for (int g = 0; g < G; g++)                                                                       \
             for (int c = 0; c < 4; c++) acc[g][c] = (v16){0};                                             \
-        if (!summed)                                                                                      \
-            for (long j = 0; j < keys; j++) {  /* in key order; four 16-lane chunks: independent FMA chains */ \
+        for (long j = 0; j < keys; j++) {  /* in key order; four 16-lane chunks: independent FMA chains */   \
+            if (!summed)                                                                                  \
                 for (int g = 0; g < G; g++) total[g] += s[g * padded + j];                                \
-                for (int c = 0; c < 4; c++) {                                                             \
-                    v16 vc = load16(v + j * d + t + 16 * c);                                              \
-                    for (int g = 0; g < G; g++) acc[g][c] += s[g * padded + j] * vc;                      \
-                }                                                                                         \
+            for (int c = 0; c < 4; c++) {                                                                 \
+                v16 vc = load16(v + j * d + t + 16 * c);                                                  \
+                for (int g = 0; g < G; g++) acc[g][c] += s[g * padded + j] * vc;                          \
             }                                                                                             \
-        else                                                                                              \
-            for (long j = 0; j < keys; j++)                                                               \
-                for (int c = 0; c < 4; c++) {                                                             \
-                    v16 vc = load16(v + j * d + t + 16 * c);                                              \
-                    for (int g = 0; g < G; g++) acc[g][c] += s[g * padded + j] * vc;                      \
-                }                                                                                         \
+        }                                                                                                 \
         summed = 1;                                                                                       \
         for (int g = 0; g < G; g++)                                                                       \
             for (int c = 0; c < 4; c++) store16(out[g] + t + 16 * c, acc[g][c] / total[g]);               \

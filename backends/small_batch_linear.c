@@ -91,17 +91,13 @@ static void rows_##NP(const float *x, const float *w, float *y, long in, long ou
             }                                                                                             \
         else                                                                                              \
             for (int i = 0; i < R * NP; i++) sums[i] = hsum16(acc[i / NP][i % NP]);                       \
-        if (k == in) /* no tail (in % 16 == 0, every model here): plain stores, no per-element tail loop */ \
-            for (int j = 0; j < m; j++)                                                                   \
-                for (int p = 0; p < NP; p++) y[p * out + r + j] = sums[j * NP + p];                       \
-        else                                                                                              \
-            for (int j = 0; j < m; j++)                                                                   \
-                for (int p = 0; p < NP; p++) {                                                            \
-                    const float *wr = w + (r + j) * in;                                                   \
-                    float s = sums[j * NP + p];                                                           \
-                    for (long t = k; t < in; t++) s += wr[t] * x[p * in + t];                             \
-                    y[p * out + r + j] = s;                                                               \
-                }                                                                                         \
+        for (int j = 0; j < m; j++)                                                                       \
+            for (int p = 0; p < NP; p++) {                                                                \
+                const float *wr = w + (r + j) * in;                                                       \
+                float s = sums[j * NP + p];                                                               \
+                for (long t = k; t < in; t++) s += wr[t] * x[p * in + t];                                 \
+                y[p * out + r + j] = s;                                                                   \
+            }                                                                                             \
     }                                                                                                     \
 }
 /* 4 weight rows per step up to 4 input rows (16 accumulators), 2 beyond (measured best on 576/1536-wide rows) */
