@@ -84,7 +84,7 @@ def kernel_attention(kernel, query, key, value, attention_mask, scaling) -> torc
     scale = float(scaling) if scaling is not None else d ** -0.5
     if kernel(query.data_ptr(), key.data_ptr(), value.data_ptr(), 0 if mask is None else mask.data_ptr(),
               out.data_ptr(), heads, key.shape[1], q, keys, d, query.stride(1), query.stride(2), key.stride(1),
-              0 if mask is None else mask.stride(0),
+              key.stride(2), 0 if mask is None else mask.stride(0),
               scale, torch.get_num_threads()) != 0:
         raise MemoryError("small-batch attention: out of memory")
     return out

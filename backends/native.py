@@ -27,25 +27,32 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-
 MAX_ROWS = 8  # rows per call the linear kernel handles (fast_layers splits 9..16 rows into two calls)
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
-def _build(compiler: str, sources: dict[str, bytes]) -> Path:
+def build_library(compiler: str, sources: dict[str, bytes], flags: tuple[str, ...], stem: str,
+                  main: str | None = None) -> Path:
+    """Compile ``sources`` (every one, or only ``main``, which includes the others) into
+    ``cache_dir()/native/<stem>-<hash>.so`` once; the hash covers the sources, the flags and the compiler's version."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(b"".join(sources.values()) + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:20]
-    target = cache_dir() / "native" / f"small_batch-{key}.so"
+    key = hashlib.sha256(b"".join(sources.values()) + " ".join(flags).encode() + version.encode()).hexdigest()[:20]
+    target = cache_dir() / "native" / f"{stem}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         paths = []
         for name, text in sources.items():
-            paths.append(Path(tmp) / name)
-            paths[-1].write_bytes(text)
+            (Path(tmp) / name).write_bytes(text)
+            if main is None or name == main:
+                paths.append(Path(tmp) / name)
         out = Path(tmp) / target.name
-        done = subprocess.run([compiler, *FLAGS, *map(str, paths), "-o", str(out)], capture_output=True, text=True,
-                              timeout=300)
+        try:
+            done = subprocess.run([compiler, *flags, *map(str, paths), "-o", str(out)], capture_output=True, text=True,
+                                  timeout=300)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise RuntimeError(str(exc)) from None
         if done.returncode != 0:
             raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "compiler failed")
         os.replace(out, target)  # atomic: a concurrent or interrupted build never leaves half a library
@@ -57,14 +64,14 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     """The built library, or ``(None, why not)``."""
     if os.environ.get("KANGAROO_NATIVE", "1") == "0":
         return None, "disabled by KANGAROO_NATIVE=0"
-    compiler = _compiler()
-    if compiler is None:
+    cc = compiler()
+    if cc is None:
         return None, "no C compiler found (set CC, or install gcc)"
     import torch  # noqa: F401  (loads torch's libgomp first, so the kernels share torch's OpenMP runtime)
 
     sources = {name: resources.files("kangaroo_backends").joinpath(name).read_bytes() for name in SOURCES}
     try:
-        return ctypes.CDLL(str(_build(compiler, sources))), ""
+        return ctypes.CDLL(str(build_library(cc, sources, FLAGS, "small_batch"))), ""
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return None, f"building the small-batch kernel failed: {exc}"
 
@@ -86,7 +93,7 @@ def small_batch_kernel() -> tuple[object | None, str]:
 
 def small_batch_attention() -> tuple[object | None, str]:
     """``(function, "")`` or ``(None, why not)``; the function is ``small_batch_attention(query, key, value, mask, out,
-    heads, kv_heads, rows, keys, head_dim, query_head_stride, query_row_stride, kv_head_stride, mask_row_stride, scale,
-    threads)`` (see the C source)."""
+    heads, kv_heads, rows, keys, head_dim, query_head_stride, query_row_stride, kv_head_stride, kv_row_stride,
+    mask_row_stride, scale, threads)`` (see the C source)."""
     return _function("small_batch_attention",
-                     [ctypes.c_void_p] * 5 + [ctypes.c_long] * 9 + [ctypes.c_float, ctypes.c_int])
+                     [ctypes.c_void_p] * 5 + [ctypes.c_long] * 10 + [ctypes.c_float, ctypes.c_int])

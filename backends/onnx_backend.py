@@ -53,6 +53,11 @@ PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 #: 76.0) / −11 % (73.4 → 65.1);
 #: threads spinning on after their runs: −30 % for Kangaroo, every pool at once halves the speed. Default ``none``.
 SPINNING = ("none", "deep", "all")
+#: ``attention`` option values: how each layer's attention over the KV cache runs on CPU. ``auto``: kangaroo's
+#: custom op that reads the cache in place (:mod:`kangaroo_backends.ort_attention`) where it can be built and the
+#: graphs mark their attention (graph revision 6), the graphs as exported otherwise; ``in_place``: the op or an error;
+#: ``exported``: the graphs as exported (standard ONNX: concatenate, transpose, MatMul, Softmax, MatMul).
+ATTENTION = ("auto", "in_place", "exported")
 
 
 def resolve_provider(ort, provider: str) -> str:
@@ -300,8 +305,11 @@ class OnnxBackend(Backend):
     def __init__(self, model, tokenizer, exit_layer: int, model_name: str = "model", *, provider: str = "auto",
                  bundle: str | Path | None = None, threads: int | None = None, quiet: bool = False,
                  weights: str = "float32", accuracy_level: int | None = None, gguf_path: str | Path | None = None,
-                 spinning: str = "none"):
+                 spinning: str = "none", attention: str = "auto"):
         self.ort = import_onnxruntime()
+        if attention not in ATTENTION:
+            raise ConfigError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
+        self.attention = attention
         if spinning not in SPINNING:
             raise ConfigError(f"spinning must be one of {', '.join(SPINNING)}, got {spinning!r}")
         self.spinning = spinning
@@ -336,14 +344,16 @@ class OnnxBackend(Backend):
         self.quiet = quiet
         self.manifest: dict | None = None
         self.shallow_runner = self.deep_runner = self.head_runner = None
+        self.swapped: set[Path] = set()  # the graph files whose attention runs in place
 
     @classmethod
     def create(cls, config: DecodeConfig, model: Any = None, dtype: str = "float32", provider: str = "auto",
                bundle: str | None = None, threads: int | None = None, weights: str = "float32",
-               accuracy_level: int | None = None, spinning: str = "none", **options: Any) -> "OnnxBackend":
+               accuracy_level: int | None = None, spinning: str = "none", attention: str = "auto",
+               **options: Any) -> "OnnxBackend":
         if options:
-            raise ConfigError(f"unknown onnx backend option(s): {', '.join(sorted(options))}; "
-                              f"valid options: model, provider, bundle, threads, weights, accuracy_level, spinning")
+            raise ConfigError(f"unknown onnx backend option(s): {', '.join(sorted(options))}; valid options: model, "
+                              f"provider, bundle, threads, weights, accuracy_level, spinning, attention")
         if weights not in WEIGHTS:
             raise ConfigError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
         if dtype != "float32":
@@ -352,7 +362,8 @@ class OnnxBackend(Backend):
         loaded, tokenizer, name = load_model(model, dtype=torch.float32)
         return cls(loaded, tokenizer, config.exit_layer, name, provider=provider, bundle=bundle,
                    threads=None if threads is None else int(threads), weights=weights,
-                   accuracy_level=None if accuracy_level is None else int(accuracy_level), spinning=spinning)
+                   accuracy_level=None if accuracy_level is None else int(accuracy_level), spinning=spinning,
+                   attention=attention)
 
     def base_model(self):
         return self.model
@@ -380,11 +391,12 @@ class OnnxBackend(Backend):
                 raise ConfigError(f"the onnx export {self.bundle} is split at exit layer {exported}; it cannot be "
                                   f"re-split at {exit_layer}")
             return type(self)(self.model, self.tokenizer, exit_layer, self.model_name, provider=provider,
-                              bundle=self.bundle, threads=self.threads, quiet=self.quiet, spinning=self.spinning)
+                              bundle=self.bundle, threads=self.threads, quiet=self.quiet, spinning=self.spinning,
+                              attention=self.attention)
         return type(self)(self.model, self.tokenizer, exit_layer, self.model_name, provider=provider,
                           threads=self.threads, quiet=self.quiet, weights=self.weights,
                           accuracy_level=self.accuracy_level if self.weights == "gguf" else None,
-                          gguf_path=self.gguf_path, spinning=self.spinning)
+                          gguf_path=self.gguf_path, spinning=self.spinning, attention=self.attention)
 
     # -- export / sessions -----------------------------------------------------------------------------------------
     def export_dir(self) -> Path:
@@ -398,9 +410,10 @@ class OnnxBackend(Backend):
         self._ensure()
         return self.export_dir() / "drafters"
 
-    def session(self, path: Path, spin: bool = False):
+    def session(self, path: Path, spin: bool = False, swap: bool = True):
         """An InferenceSession on this backend's provider and threads (for the backend's and drafters' graphs);
-        ``spin``: its threads busy-wait between the ops of a run (see :data:`SPINNING`)."""
+        ``spin``: its threads busy-wait between the ops of a run (see :data:`SPINNING`); ``swap``: the graph may have
+        attention over a KV cache to run in place (:data:`ATTENTION`)."""
         ort = self.ort
         if not path.is_file():
             raise OnnxModelError(f"ONNX file {path} is missing; re-export with `kangaroo export-onnx` (or delete {path.parent})")
@@ -415,8 +428,9 @@ class OnnxBackend(Backend):
         if self.threads:
             options.intra_op_num_threads = self.threads
             options.inter_op_num_threads = 1
+        source = self._attention_swapped(path, options) if swap else None
         try:
-            session = ort.InferenceSession(str(path), options, providers=[self.provider])
+            session = ort.InferenceSession(str(path) if source is None else source, options, providers=[self.provider])
         except Exception as exc:  # onnxruntime raises its own exception types
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             if "opset" in message.lower():
@@ -429,6 +443,32 @@ class OnnxBackend(Backend):
             raise ProviderError(f"onnxruntime could not use {self.provider} for {path.name} (got {', '.join(session.get_providers())})")
         return session
 
+    def _attention_swapped(self, path: Path, options) -> bytes | None:
+        """The graph with its attention swapped for the in-place op (and the op's library registered in
+        ``options``), or None to load the file as it is (see :data:`ATTENTION`)."""
+        if self.attention == "exported":
+            return None
+        from kangaroo_backends import ort_attention
+
+        library, why = ort_attention.library()
+        if self.provider != PROVIDERS["cpu"]:
+            why = f"it runs on CPU only (provider {self.provider})"
+        if library is None or self.provider != PROVIDERS["cpu"]:
+            if self.attention == "in_place":
+                raise ConfigError(f"attention=in_place: kangaroo's attention op is not available: {why}")
+            return None
+        import onnx
+
+        try:
+            proto = onnx.load(str(path))
+        except Exception:  # noqa: BLE001  (a corrupt file: onnxruntime's own load says so, in the caller's words)
+            return None
+        if not ort_attention.swap_attention(proto):
+            return None  # not marked: a bundle exported before graph revision 6, or a drafter's own graph
+        self.swapped.add(path)
+        options.register_custom_ops_library(str(library))
+        return proto.SerializeToString()
+
     def open_graph(self, path: Path, inputs: list[str], outputs: list[str], kv_layers: int,
                    plain_path: Path | None = None, spin: bool = False, plain_one_row: bool = True) -> GraphRunner:
         """Run an ONNX graph of the backend's KV layout (see :class:`GraphRunner`); checks its input/output names.
@@ -436,7 +476,7 @@ class OnnxBackend(Backend):
         ``plain_one_row``, the one-row calls (a 4-bit export's prefill graph: see
         :func:`~kangaroo_backends.gguf_nbits.row_by_row` and ``onnx_export.PREFILL_ACCURACY_LEVEL``).
         ``spin``: its threads busy-wait between ops (the backend's deep graph; see :data:`SPINNING`)."""
-        sessions = [self.session(p, spin=spin) for p in (path, plain_path) if p is not None]
+        sessions = [self.session(p, spin=spin, swap=kv_layers > 0) for p in (path, plain_path) if p is not None]
         for file, session in zip((path, plain_path), sessions):
             got_in, got_out = [i.name for i in session.get_inputs()], [o.name for o in session.get_outputs()]
             if got_in != inputs or got_out != outputs:
@@ -476,6 +516,11 @@ class OnnxBackend(Backend):
             runners[name] = self.open_graph(graph_file(directory, manifest, name, directory / MANIFEST), inputs, outputs,
                                             kv_layers, plain_path=prefill, plain_one_row=same_level,
                                             spin=name == "deep" and self.spinning == "deep")
+        unmarked = [path for path in (graph_file(directory, manifest, name, directory / MANIFEST)
+                                      for name in ("shallow", "deep")) if path not in self.swapped]
+        if self.attention == "in_place" and unmarked:
+            raise ConfigError(f"attention=in_place: {unmarked[0]} does not mark its attention (exported before graph "
+                              "revision 6); re-export it")
         self.shallow_runner, self.deep_runner, self.head_runner = runners["shallow"], runners["deep"], runners["head"]
         self.manifest = manifest
 

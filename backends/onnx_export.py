@@ -60,8 +60,10 @@ FORMAT_VERSION = 3
 #: at once, :func:`~kangaroo_backends.gguf_nbits.rows_at_once`; 5: int8-activation exports prefill the prompt in
 #: graphs of their own at float32 activations, :data:`PREFILL_ACCURACY_LEVEL`); recorded in the manifest and part of
 #: the export cache's key, so a cached export of an older revision is re-exported, while a bundle of an older revision
-#: still loads (same inputs and outputs; an older 4-bit bundle runs the target alone only)
-GRAPH_REVISION = 5
+#: still loads (same inputs and outputs; an older 4-bit bundle runs the target alone only); 6: the metadata marks each
+#: layer's attention over the cache (:class:`AttentionCore`), which the CPU runner swaps for an op reading the cache
+#: in place (:mod:`kangaroo_backends.ort_attention`)
+GRAPH_REVISION = 6
 #: the MatMulNBits accuracy level of an int8-activation export's prefill graphs (the prompt's pass, nothing cached
 #: yet): float32 activations. Why: onnxruntime's int8-activation kernel is fast for a few rows but slow for hundreds —
 #: measured on 2026-12-04's Intel Xeon (2 threads, SmolLM2 shapes, 773 rows): 208-273 G/s at level 4 against
@@ -121,6 +123,34 @@ def attention_bias(n: int, past: int, window: int | None = None, tree=None, devi
     return torch.zeros(1, 1, n, past + n, device=device) if mask is None else mask  # None: one row sees every key
 
 
+class AttentionCore(nn.Module):
+    """softmax(scale * q k^T + bias) v of the new rows over the cached and the new keys: the part of an attention
+    that reads the cache. Its own module, so its nodes share one scope in the exported graph (``/attns.<i>/core/...``,
+    recorded in the graph's metadata): the graph is standard ONNX everywhere, and a runtime may swap those nodes for
+    its own kernel (:mod:`kangaroo_backends.ort_attention`: one that reads the cache where it lies instead of
+    concatenating it).
+
+    Inputs: ``q`` [1, n, H, hd] (after RoPE), ``k_new`` / ``v_new`` [1, n, kvh, hd], ``past_key`` / ``past_value``
+    [1, past, kvh, hd], ``bias`` [1, 1, rep*n, T] (the grouped bias: row g*n + i is row i's). Output [1, n, H*hd].
+    """
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int, scaling: float):
+        super().__init__()
+        self.heads, self.kv_heads, self.rep, self.head_dim, self.scaling = (heads, kv_heads, heads // kv_heads,
+                                                                            head_dim, scaling)
+
+    def forward(self, q, k_new, v_new, past_key, past_value, bias):
+        heads, kv_heads, rep, hd = self.heads, self.kv_heads, self.rep, self.head_dim
+        k = torch.cat([past_key, k_new], dim=1)  # [1, T, kvh, hd]
+        v = torch.cat([past_value, v_new], dim=1)
+        # head h = kv*rep + g (transformers' repeat_kv order) → [1, kvh, rep, n, hd] → [1, kvh, rep*n, hd]
+        q = q.view(1, -1, kv_heads, rep, hd).permute(0, 2, 3, 1, 4).reshape(1, kv_heads, -1, hd)
+        scores = torch.matmul(q, k.permute(0, 2, 3, 1)) * self.scaling  # [1, kvh, rep*n, T]
+        probs = torch.softmax(scores + bias, dim=-1)
+        out = torch.matmul(probs, v.transpose(1, 2))  # [1, kvh, rep*n, hd]
+        return out.view(1, kv_heads, rep, -1, hd).permute(0, 3, 1, 2, 4).reshape(1, -1, heads * hd)
+
+
 class Attention(nn.Module):
     """A decoder attention (any family: the module's own projections, ``q_norm``/``k_norm`` where it has them, its
     ``scaling``) with explicit KV in/out ([1, seq, kvh, hd]) and an additive ``bias`` [1, 1, n, T] (causal or a
@@ -142,6 +172,7 @@ class Attention(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.scaling = float(getattr(attn, "scaling", self.head_dim ** -0.5))
         self.register_buffer("rotate_half", rotate_half_matrix(self.head_dim), persistent=False)
+        self.core = AttentionCore(self.heads, self.kv_heads, self.head_dim, self.scaling)
 
     def grouped_bias(self, bias: torch.Tensor) -> torch.Tensor:
         """[1, 1, n, T] → [1, 1, rep*n, T]: row g*n + i is query i's (the stacked query order); a graph with many
@@ -158,15 +189,7 @@ class Attention(nn.Module):
         cos, sin = cos[:, :, None], sin[:, :, None]  # [1, n, 1, hd]
         q = q * cos + torch.matmul(q, self.rotate_half) * sin  # RoPE
         k_new = k_new * cos + torch.matmul(k_new, self.rotate_half) * sin
-        k = torch.cat([past_key, k_new], dim=1)  # [1, T, kvh, hd]
-        v = torch.cat([past_value, v_new], dim=1)
-        # head h = kv*rep + g (transformers' repeat_kv order) → [1, kvh, rep, n, hd] → [1, kvh, rep*n, hd]
-        q = q.view(1, -1, kv_heads, rep, hd).permute(0, 2, 3, 1, 4).reshape(1, kv_heads, -1, hd)
-        scores = torch.matmul(q, k.permute(0, 2, 3, 1)) * self.scaling  # [1, kvh, rep*n, T]
-        probs = torch.softmax(scores + (bias if grouped else self.grouped_bias(bias)), dim=-1)
-        out = torch.matmul(probs, v.transpose(1, 2))  # [1, kvh, rep*n, hd]
-        out = out.view(1, kv_heads, rep, -1, hd).permute(0, 3, 1, 2, 4).reshape(1, -1, heads * hd)
-        return self.o_proj(out), k_new, v_new
+        return self.o_proj(self.core(q, k_new, v_new, past_key, past_value, bias if grouped else self.grouped_bias(bias))), k_new, v_new
 
 
 class Rotary(nn.Module):
@@ -302,11 +325,17 @@ def versions() -> dict[str, str | None]:
 
 
 def export_graph(module: nn.Module, args: tuple, path: Path, inputs: list[str], outputs: list[str], dynamic: dict,
-                  opset: int) -> None:
+                  opset: int, mark_attention: bool = False) -> None:
+    """``torch.onnx.export`` of ``module``; ``mark_attention``: the graph's metadata records where each
+    :class:`AttentionCore` 's nodes are and its shapes (graph revision 6; see :mod:`kangaroo_backends.ort_attention`)."""
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         torch.onnx.export(module, args, str(path), input_names=inputs, output_names=outputs, dynamic_axes=dynamic,
                           opset_version=opset, dynamo=False, do_constant_folding=True)
+    if mark_attention:
+        from kangaroo_backends import ort_attention
+
+        ort_attention.mark_attention(path, [m for m in module.modules() if isinstance(m, AttentionCore)])
 
 
 def dynamic_axes(inputs: list[str], outputs: list[str], fixed: tuple[str, ...] = (),
@@ -497,7 +526,8 @@ def export_onnx(model, out_dir: str | os.PathLike, *, exit_layer: int, fingerpri
             if not quiet:
                 print(f"kangaroo: exporting {name}.onnx", file=sys.stderr)
             try:
-                export_graph(module.eval(), args, file, inputs, outputs, dynamic_axes(inputs, outputs), opset)
+                export_graph(module.eval(), args, file, inputs, outputs, dynamic_axes(inputs, outputs), opset,
+                             mark_attention=name != "head")
             except Exception as exc:
                 raise OnnxExportError(f"torch.onnx.export failed for the {name} graph: {exc}") from exc
             check = validate_outputs(file, inputs, _cases(name, model, exit_layer))

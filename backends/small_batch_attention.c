@@ -50,11 +50,11 @@ static inline v16 exp16(v16 x) {
 /* Scores of every query vector of one KV head against one block of 16 keys: the block is transposed once, then each
  * score is a sum over the head dimension in order (lane l holds key j0 + l; no lane depends on the others). */
 static void score_block(const float *q, long head_stride, long row_stride, long vectors, long rows, const float *k,
-                        const float *mask, long mask_stride,
+                        long k_row_stride, const float *mask, long mask_stride,
                         float *s, long padded, long j0, long keys, long d, float scale, float *kt) {
     long count = keys - j0 < 16 ? keys - j0 : 16;
     for (long t = 0; t < d; t++)
-        for (long l = 0; l < 16; l++) kt[t * 16 + l] = l < count ? k[(j0 + l) * d + t] : 0.0f;
+        for (long l = 0; l < 16; l++) kt[t * 16 + l] = l < count ? k[(j0 + l) * k_row_stride + t] : 0.0f;
     for (long a0 = 0; a0 < vectors; a0 += 8) {  /* eight vectors at a time: eight independent FMA chains */
         const float *qa[8];
         for (int x = 0; x < 8; x++) {  /* vector a: the a / rows-th query head of this KV head, row a % rows */
@@ -95,11 +95,11 @@ static void exponentiate(float *s, long keys) {
 /* The head dimensions t.. of one vector's weighted sum (those past the last whole 64): 16 at a time, then the last
  * d % 16 zero-padded: the same vector FMAs as the rest, never a scalar loop (a compiler may vectorize that one
  * differently depending on the number of keys). */
-static void weigh_tail(const float *s, const float *v, float *out, long keys, long d, long t, float total) {
+static void weigh_tail(const float *s, const float *v, long vs, float *out, long keys, long d, long t, float total) {
     long t16 = d & ~15L;
     for (; t < t16; t += 16) {
         v16 acc = (v16){0};
-        for (long j = 0; j < keys; j++) acc += s[j] * load16(v + j * d + t);
+        for (long j = 0; j < keys; j++) acc += s[j] * load16(v + j * vs + t);
         store16(out + t, acc / total);
     }
     if (t < d) {
@@ -107,7 +107,7 @@ static void weigh_tail(const float *s, const float *v, float *out, long keys, lo
         v16 acc = (v16){0};
         for (long j = 0; j < keys; j++) {
             float padded_v[16] = {0};
-            memcpy(padded_v, v + j * d + t, sizeof(float) * (size_t)rest);
+            memcpy(padded_v, v + j * vs + t, sizeof(float) * (size_t)rest);
             acc += s[j] * load16(padded_v);
         }
         float result[16];
@@ -123,7 +123,7 @@ static void weigh_tail(const float *s, const float *v, float *out, long keys, lo
  * The denominators run strictly in key order (not per lane): a token tree hides siblings between a row's keys, and
  * the row alone sees those keys packed together, so only a sequential sum adds the same floats in the same order. */
 #define WEIGH_GROUP(G)                                                                                      \
-static void weigh_values_##G(float *s, long padded, const float *v, float **out, long keys, long d) {     \
+static void weigh_values_##G(float *s, long padded, const float *v, long vs, float **out, long keys, long d) { \
     long t16 = d & ~15L;                                                                                  \
     float total[G];                                                                                       \
     for (int g = 0; g < G; g++) {                                                                         \
@@ -140,7 +140,7 @@ static void weigh_values_##G(float *s, long padded, const float *v, float **out,
             if (!summed)                                                                                  \
                 for (int g = 0; g < G; g++) total[g] += s[g * padded + j];                                \
             for (int c = 0; c < 4; c++) {                                                                 \
-                v16 vc = load16(v + j * d + t + 16 * c);                                                  \
+                v16 vc = load16(v + j * vs + t + 16 * c);                                                 \
                 for (int g = 0; g < G; g++) acc[g][c] += s[g * padded + j] * vc;                          \
             }                                                                                             \
         }                                                                                                 \
@@ -152,51 +152,83 @@ static void weigh_values_##G(float *s, long padded, const float *v, float **out,
         for (long j = 0; j < keys; j++)                                                                   \
             for (int g = 0; g < G; g++) total[g] += s[g * padded + j];                                    \
     if (t < d)                                                                                            \
-        for (int g = 0; g < G; g++) weigh_tail(s + g * padded, v, out[g], keys, d, t, total[g]);          \
+        for (int g = 0; g < G; g++) weigh_tail(s + g * padded, v, vs, out[g], keys, d, t, total[g]);      \
 }
 WEIGH_GROUP(1) WEIGH_GROUP(2) WEIGH_GROUP(3) WEIGH_GROUP(4)
 /* vectors weighed together per work item: measured on one core (9 query heads, 3 KV heads, d 64, 300 keys, same
  * process), 8 rows 122.7 -> 94.6 us per call and 1 row 42.7 -> 39.4 us against one vector at a time; bit-identical */
 #define GROUP 4
-typedef void (*weigh_fn)(float *, long, const float *, float **, long, long);
+typedef void (*weigh_fn)(float *, long, const float *, long, float **, long, long);
 static const weigh_fn WEIGH[GROUP + 1] = {0, weigh_values_1, weigh_values_2, weigh_values_3, weigh_values_4};
+
+/* One call's shapes and buffers, split into work items any thread pool can run: first every score item (one block of
+ * 16 keys of one KV head), then every weigh item (up to GROUP vectors of one KV head). Items write disjoint outputs,
+ * and each item's arithmetic is the same whoever runs it and whatever runs beside it. */
+typedef struct {
+    const float *query, *key, *value, *mask;
+    float *out, *scores;
+    long heads, kv_heads, rows, keys, d, q_head_stride, q_row_stride, kv_stride, kv_row_stride, mask_stride;
+    long groups, vectors, padded, blocks, weigh_items;
+    float scale;
+} attention_job;
+
+static void attention_plan(attention_job *job) {
+    job->groups = job->heads / job->kv_heads;
+    job->vectors = job->groups * job->rows;
+    job->padded = (job->keys + 15) & ~15L;
+    job->blocks = job->padded / 16;
+    job->weigh_items = (job->vectors + GROUP - 1) / GROUP;
+}
+
+static long score_items(const attention_job *job) { return job->kv_heads * job->blocks; }
+static long weigh_items(const attention_job *job) { return job->kv_heads * job->weigh_items; }
+
+/* The vectors of KV head kv (its groups query heads, each with its rows) against keys j0..j0+15; kt: 16 * d floats */
+static void score_item(const attention_job *job, long item, float *kt) {
+    long kv = item / job->blocks, j0 = (item % job->blocks) * 16;
+    score_block(job->query + kv * job->groups * job->q_head_stride, job->q_head_stride, job->q_row_stride,
+                job->vectors, job->rows, job->key + kv * job->kv_stride, job->kv_row_stride, job->mask,
+                job->mask_stride, job->scores + kv * job->vectors * job->padded, job->padded, j0, job->keys, job->d,
+                job->scale, kt);
+}
+
+/* GROUP vectors of one KV head (the last item of each head takes the rest) */
+static void weigh_item(const attention_job *job, long item) {
+    long items = job->weigh_items, vectors = job->vectors, rows = job->rows;
+    long kv = item / items, a0 = GROUP * (item % items), count = vectors - a0 < GROUP ? vectors - a0 : GROUP;
+    float *outs[GROUP];
+    for (long a = a0; a < a0 + count; a++)  /* vector a: query head kv * groups + a / rows, row a % rows */
+        outs[a - a0] = job->out + ((a % rows) * job->heads + kv * job->groups + a / rows) * job->d;
+    WEIGH[count](job->scores + (kv * vectors + a0) * job->padded, job->padded, job->value + kv * job->kv_stride,
+                 job->kv_row_stride, outs, job->keys, job->d);
+}
 
 /* out[rows, heads, d] = softmax(scale * Q K^T + mask) V for query [heads, rows, d] with head stride q_head_stride and
  * row stride q_row_stride (rows of d contiguous: the projection's [rows, heads, d] output read as it is); key/value
- * [kv_heads, keys, d] with head stride kv_stride (a view of the cache); mask [rows, keys] with row stride
+ * [kv_heads, keys, d] with head stride kv_stride and key stride kv_row_stride (a view of the cache: d for a
+ * [kv_heads, keys, d] cache, kv_heads * d for a [keys, kv_heads, d] one); mask [rows, keys] with row stride
  * mask_stride, or NULL. Query head h reads KV head h / (heads / kv_heads). 0 on success, -1 out of memory. */
 int small_batch_attention(const float *query, const float *key, const float *value, const float *mask, float *out,
                           long heads, long kv_heads, long rows, long keys, long d, long q_head_stride, long q_row_stride,
-                          long kv_stride, long mask_stride,
-                          float scale, int threads) {
-    long groups = heads / kv_heads, vectors = groups * rows, padded = (keys + 15) & ~15L, blocks = padded / 16;
-    float *scores = malloc(sizeof(float) * (size_t)(kv_heads * vectors * padded));
-    if (!scores) return -1;
+                          long kv_stride, long kv_row_stride, long mask_stride, float scale, int threads) {
+    attention_job job = {query, key, value, mask, out, NULL, heads, kv_heads, rows, keys, d, q_head_stride,
+                         q_row_stride, kv_stride, kv_row_stride, mask_stride, 0, 0, 0, 0, 0, scale};
+    attention_plan(&job);
+    job.scores = malloc(sizeof(float) * (size_t)(kv_heads * job.vectors * job.padded));
+    if (!job.scores) return -1;
+    long scoring = score_items(&job), weighing = weigh_items(&job);
     int failed = 0;
     #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         float *kt = malloc(sizeof(float) * (size_t)(16 * d));
         failed = kt == NULL;
         #pragma omp for schedule(static)
-        for (long item = 0; item < kv_heads * blocks; item++) {
-            long kv = item / blocks, j0 = (item % blocks) * 16;
-            if (kt)  /* the vectors of KV head kv: its groups query heads, each with its rows */
-                score_block(query + kv * groups * q_head_stride, q_head_stride, q_row_stride, vectors, rows,
-                            key + kv * kv_stride, mask, mask_stride,
-                            scores + kv * vectors * padded, padded, j0, keys, d, scale, kt);
-        }
-        /* GROUP vectors of one KV head per item (the last item of each head takes the rest) */
-        long items = (vectors + GROUP - 1) / GROUP;
+        for (long item = 0; item < scoring; item++)
+            if (kt) score_item(&job, item, kt);
         #pragma omp for schedule(static)
-        for (long item = 0; item < kv_heads * items; item++) {
-            long kv = item / items, a0 = GROUP * (item % items), count = vectors - a0 < GROUP ? vectors - a0 : GROUP;
-            float *outs[GROUP];
-            for (long a = a0; a < a0 + count; a++)  /* vector a: query head kv * groups + a / rows, row a % rows */
-                outs[a - a0] = out + ((a % rows) * heads + kv * groups + a / rows) * d;
-            WEIGH[count](scores + (kv * vectors + a0) * padded, padded, value + kv * kv_stride, outs, keys, d);
-        }
+        for (long item = 0; item < weighing; item++) weigh_item(&job, item);
         free(kt);
     }
-    free(scores);
+    free(job.scores);
     return failed ? -1 : 0;
 }

@@ -82,6 +82,7 @@ class EngineOptions:
     onnx_weights: str = "float32"
     onnx_accuracy_level: int | None = None
     onnx_spinning: str = "none"
+    onnx_attention: str = "auto"
     threads: int | None = None
     temperature: float = 0.0
     top_k: int = 0
@@ -150,6 +151,8 @@ class EngineOptions:
             options["accuracy_level"] = self.onnx_accuracy_level
         if self.onnx_spinning != "none":
             options["spinning"] = self.onnx_spinning
+        if self.onnx_attention != "auto":
+            options["attention"] = self.onnx_attention
         return options
 
     def settled(self, config: DecodeConfig | None = None, backend: Any = None):
@@ -284,6 +287,11 @@ _SHARED = [
     click.option("--onnx-spinning", default="none", show_default=True, type=click.Choice(["none", "deep", "all"]),
                  help="onnx backend, 2+ threads: whose threads busy-wait between ops during a run. deep speeds up the "
                       "4-bit int8 target alone (~+20%) but slows drafting (~-7%): for decoding without a drafter."),
+    click.option("--onnx-attention", default="auto", show_default=True,
+                 type=click.Choice(["auto", "in_place", "exported"]),
+                 help="onnx backend on CPU: auto runs each layer's attention as kangaroo's op reading the KV cache in "
+                      "place (built once with the C compiler; graphs exported since revision 6), else as exported; "
+                      "in_place: the op, refusing to fall back; exported: the graphs' own ONNX attention."),
     click.option("--temperature", type=float, default=0.0, show_default=True, help="0: greedy; > 0: sample."),
     click.option("--top-k", type=int, default=0, show_default=True, help="Sample from the k most likely tokens (0: off)."),
     click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass in (0, 1] (1: off)."),

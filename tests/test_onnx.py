@@ -15,7 +15,7 @@ import torch
 
 from kangaroo_backends.onnx_export import EXPORT_KEY, FORMAT_VERSION
 from kangaroo_core.cli import main
-from kangaroo_core.config import DecodeConfig
+from kangaroo_core.config import ConfigError, DecodeConfig
 from kangaroo_core.engine import Engine
 from kangaroo_core.errors import (AdapterMismatchError, MissingDependencyError, OnnxExportError, OnnxModelError,
                                   ProviderError)
@@ -67,16 +67,30 @@ def kangaroo_engine(backend, exit_layer, eta, gamma, drafter=None):
     return Engine(backend, drafter or KangarooDrafter(), ThresholdPolicy(eta=eta), GreedyVerifier(), config)
 
 
+def attention_op():
+    """The in-place attention op's library, or skip the test (no C compiler)."""
+    from kangaroo_backends import ort_attention
+
+    library, why = ort_attention.library()
+    if library is None:
+        pytest.skip(why)
+    return library
+
+
 @needs_ort
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_float32_verify_pass_reproduces_one_position_passes_bit_for_bit(bundles, threads):
+@pytest.mark.parametrize("attention", ["in_place", "exported"])
+def test_a_float32_verify_pass_reproduces_one_position_passes_bit_for_bit(bundles, threads, attention):
     """The float32 export's rows do not depend on the rows that come with them (onnxruntime's float32 MatMul and the
-    graph's attention compute each row alike for every n): Kangaroo on it equals its target alone by construction."""
+    graph's attention compute each row alike for every n; so does kangaroo's in-place attention op, its work items
+    on onnxruntime's threads): Kangaroo on it equals its target alone by construction."""
     from kangaroo_backends.onnx_backend import OnnxBackend
 
+    if attention == "in_place":
+        attention_op()
     m = model(2)
     backend = OnnxBackend(m, TinyTokenizer(m.config.vocab_size, None), 1, bundle=bundles(2, 1), threads=threads,
-                          quiet=True)
+                          quiet=True, attention=attention)
     check_rows_exact(backend, [7, 1, 30, 12, 9], [5, 17, 3, 50, 41, 9, 60, 2, 33], splits=[(1, 8), (4, 5), (9,)])
 
 
@@ -109,19 +123,24 @@ def test_export_writes_a_validated_manifest(bundles):
 def test_the_graphs_are_lean_no_shape_arithmetic_and_no_repeated_keys(bundles):
     """The lean graphs of revision 2 on (measured: onnxruntime pays microseconds per node): no node asks for a shape, the
     keys/values are never expanded per query head, RoPE's rotate-half is one MatMul, every bias is tiled once per
-    graph, and the manifest records the revision the export cache is keyed by."""
+    graph, and the manifest records the revision the export cache is keyed by. Revision 6: each layer's attention over
+    the cache is marked (its nodes' scope and its shapes in the graph's metadata) for the in-place op."""
     import onnx
 
     from kangaroo_backends.onnx_export import GRAPH_REVISION
 
     directory = bundles(1, 1)
-    assert json.loads((directory / "manifest.json").read_text())["graph_revision"] == GRAPH_REVISION == 5
+    assert json.loads((directory / "manifest.json").read_text())["graph_revision"] == GRAPH_REVISION == 6
     assert EXPORT_KEY == f"v{FORMAT_VERSION}.{GRAPH_REVISION}"
     for name, layers in (("shallow", 1), ("deep", 2)):  # 4 query heads share 2 KV heads
-        ops = [node.op_type for node in onnx.load(directory / f"{name}.onnx").graph.node]
+        proto = onnx.load(directory / f"{name}.onnx")
+        ops = [node.op_type for node in proto.graph.node]
         assert not {"Shape", "Neg", "Where"} & set(ops), (name, sorted(set(ops)))
         assert ops.count("Gather") == (name == "shallow")  # the embedding lookup only
         assert (ops.count("Softmax"), ops.count("Tile"), ops.count("Expand")) == (layers, 1, 1), (name, ops)  # the bias
+        assert json.loads({p.key: p.value for p in proto.metadata_props}["kangaroo.attention_core"]) == {
+            "heads": 4, "kv_heads": 2, "head_dim": 8, "scale": 8 ** -0.5,
+            "scopes": [f"/attns.{i}/core" for i in range(layers)]}
 
 
 def test_rotate_half_as_a_matrix_is_exact():
@@ -175,6 +194,119 @@ def test_export_refused_beyond_tolerance_leaves_nothing(tmp_path, one_torch_thre
     with pytest.raises(OnnxExportError, match="differs from eager PyTorch"):
         export_onnx(model(1), tmp_path / "out", exit_layer=1, tolerance=0.0, quiet=True)
     assert list(tmp_path.iterdir()) == []
+
+
+# -- the in-place attention op ----------------------------------------------------------------------------------------
+def _deep_feed(rng, past: int, n: int, layers: int, tree=None):
+    import numpy as np
+
+    from kangaroo_backends.onnx_export import attention_bias
+
+    feed = {"hidden": rng.standard_normal((1, n, 32)).astype(np.float32),
+            "position_ids": np.arange(past, past + n)[None] if tree is None else tree.position_ids()[None].numpy(),
+            "attention_bias": attention_bias(n, past, tree=tree).numpy()}
+    for i in range(layers):
+        for kind in ("key", "value"):
+            feed[f"past_{kind}.{i}"] = rng.standard_normal((1, past, 2, 8)).astype(np.float32)
+    return feed
+
+
+@needs_ort
+def test_the_attention_op_computes_the_exported_attention(bundles):
+    """The swapped graph (each layer's attention nodes → one ``kangaroo.CachedAttention``) gives the exported graph's
+    outputs within float rounding (its sums run in another order), on chains and a token tree, with or without a
+    cache; the file on disk is untouched; a call whose inputs disagree is one clear error."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    from kangaroo_backends import ort_attention
+    from kangaroo_backends.onnx_export import validation_tree
+
+    library = attention_op()
+    path = bundles(2, 1) / "deep.onnx"
+    before = path.read_bytes()
+    proto = onnx.load(path)
+    assert ort_attention.swap_attention(proto) == 2
+    ops = [node.op_type for node in proto.graph.node]
+    assert ops.count("CachedAttention") == 2 and not {"Softmax", "Tile", "Expand"} & set(ops), ops
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(library))
+    swapped = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    exported = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert path.read_bytes() == before
+    rng = np.random.default_rng(0)
+    for past, n, tree in ((0, 4, None), (6, 1, None), (6, 5, None), (5, 3, validation_tree())):
+        feed = _deep_feed(rng, past, n, 2, tree)
+        for got, want in zip(swapped.run(None, feed), exported.run(None, feed)):
+            assert got.shape == want.shape
+            assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max()), (past, n)
+    feed = _deep_feed(rng, 6, 2, 2)
+    feed["past_value.1"] = feed["past_value.1"][:, :5]
+    with pytest.raises(Exception, match="CachedAttention: input shapes disagree"):
+        swapped.run(None, feed)
+
+
+@needs_ort
+def test_the_runner_reads_the_cache_in_place_and_decodes_the_same_tokens(bundles):
+    """Through the backend, each layer's new keys land right after the cached ones (IO binding), so the op reads the
+    whole cache where it lies, never copying it; Kangaroo gives transformers' tokens, as with the exported attention."""
+    from kangaroo_backends import ort_attention
+
+    attention_op()
+    prompt = [7, 1, 30, 12, 9]
+    before = ort_attention.counters()
+    backend = onnx_backend(2, 1, bundles(2, 1), attention="in_place")
+    got = kangaroo_engine(backend, 1, 0.3, 4).generate_ids(prompt, 24)
+    after = ort_attention.counters()
+    assert after["in_place"] > before["in_place"] and after["copied"] == before["copied"], (before, after)
+    exported = kangaroo_engine(onnx_backend(2, 1, bundles(2, 1), attention="exported"), 1, 0.3, 4)
+    assert got.token_ids == exported.generate_ids(prompt, 24).token_ids == hf_greedy(model(2), prompt, 24)
+
+
+@needs_ort
+def test_attention_option_falls_back_or_refuses_in_one_line(bundles, tmp_path, monkeypatch):
+    """``auto`` runs an unmarked bundle (exported before revision 6) or a machine without the op as exported;
+    ``in_place`` refuses either in one line; an unknown value is one line too."""
+    import onnx
+
+    from kangaroo_backends import ort_attention
+
+    with pytest.raises(ConfigError, match=r"^attention must be one of auto, in_place, exported, got 'fast'$"):
+        onnx_backend(1, 1, None, attention="fast")
+    attention_op()
+    old = tmp_path / "old"
+    shutil.copytree(bundles(2, 1), old)
+    for name in ("shallow", "deep"):
+        proto = onnx.load(old / f"{name}.onnx")
+        del proto.metadata_props[:]
+        onnx.save(proto, old / f"{name}.onnx")
+    prompt = [7, 1, 30, 12, 9]
+    want = hf_greedy(model(2), prompt, 12)
+    engine = Engine(onnx_backend(2, 1, old), None, ThresholdPolicy(), GreedyVerifier(), DecodeConfig(exit_layer=1))
+    assert engine.generate_ids(prompt, 12).token_ids == want
+    with pytest.raises(ConfigError, match=r"^attention=in_place: .*\.onnx does not mark its attention \(exported "
+                                          r"before graph revision 6\); re-export it$"):
+        onnx_backend(2, 1, old, attention="in_place").reset()
+    monkeypatch.setenv("KANGAROO_NATIVE", "0")
+    ort_attention.library.cache_clear()
+    try:
+        engine = Engine(onnx_backend(2, 1, bundles(2, 1)), None, ThresholdPolicy(), GreedyVerifier(),
+                        DecodeConfig(exit_layer=1))
+        assert engine.generate_ids(prompt, 12).token_ids == want
+        with pytest.raises(ConfigError, match=r"^attention=in_place: kangaroo's attention op is not available: "
+                                              r"disabled by KANGAROO_NATIVE=0$"):
+            onnx_backend(2, 1, bundles(2, 1), attention="in_place").reset()
+    finally:
+        ort_attention.library.cache_clear()
+
+
+def test_cli_attention_choices_are_the_backends():
+    from kangaroo_backends.onnx_backend import ATTENTION
+    from kangaroo_core.cli_options import _SHARED
+
+    option = next(o for o in (d(lambda: None).__click_params__[0] for d in _SHARED) if o.name == "onnx_attention")
+    assert tuple(option.type.choices) == ATTENTION
 
 
 # -- the ORT loop ---------------------------------------------------------------------------------------------------
@@ -421,3 +553,13 @@ def test_cli_export_onnx_then_generate_from_it(tiny_model_dir, other_tiny_model_
     assert main(base + ["--model", str(other_tiny_model_dir)]) == 1
     err = capsys.readouterr().err
     assert err.startswith("kangaroo: error: ONNX export") and "made for base model" in err and err.count("\n") == 1
+
+
+def test_every_c_source_ships_with_the_package():
+    """The kernels and the onnxruntime op are compiled on the user's machine from the package's own C files."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    listed = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert set(listed["kangaroo_backends"]) == {p.name for p in (root / "backends").glob("*.c")}
