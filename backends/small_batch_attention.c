@@ -53,6 +53,8 @@ static void score_block(const float *q, long head_stride, long row_stride, long 
                         long k_row_stride, const float *mask, long mask_stride,
                         float *s, long padded, long j0, long keys, long d, float scale, float *kt) {
     long count = keys - j0 < 16 ? keys - j0 : 16;
+    for (long l = 0; l < 16 && j0 + 16 + l < keys; l++)  /* the next block's keys: on their way while this one runs */
+        for (long t = 0; t < d; t += 16) __builtin_prefetch(k + (j0 + 16 + l) * k_row_stride + t);
     for (long t = 0; t < d; t++)
         for (long l = 0; l < 16; l++) kt[t * 16 + l] = l < count ? k[(j0 + l) * k_row_stride + t] : 0.0f;
     for (long a0 = 0; a0 < vectors; a0 += 8) {  /* eight vectors at a time: eight independent FMA chains */
@@ -137,6 +139,7 @@ static void weigh_values_##G(float *s, long padded, const float *v, long vs, flo
         for (int g = 0; g < G; g++)                                                                       \
             for (int c = 0; c < 4; c++) acc[g][c] = (v16){0};                                             \
         for (long j = 0; j < keys; j++) {  /* in key order; four 16-lane chunks: independent FMA chains */   \
+            if (j + 8 < keys) __builtin_prefetch(v + (j + 8) * vs + t);                                   \
             if (!summed)                                                                                  \
                 for (int g = 0; g < G; g++) total[g] += s[g * padded + j];                                \
             for (int c = 0; c < 4; c++) {                                                                 \
