@@ -180,7 +180,7 @@ class Attention(nn.Module):
         return bias.repeat(1, 1, self.rep, 1) if self.rep > 1 else bias
 
     def forward(self, x, cos, sin, bias, past_key, past_value, grouped: bool = False):
-        heads, kv_heads, rep, hd = self.heads, self.kv_heads, self.rep, self.head_dim
+        heads, kv_heads, hd = self.heads, self.kv_heads, self.head_dim
         q = self.q_proj(x).view(1, -1, heads, hd)  # [1, n, H, hd]
         k_new = self.k_proj(x).view(1, -1, kv_heads, hd)  # [1, n, kvh, hd]
         v_new = self.v_proj(x).view(1, -1, kv_heads, hd)
@@ -189,7 +189,8 @@ class Attention(nn.Module):
         cos, sin = cos[:, :, None], sin[:, :, None]  # [1, n, 1, hd]
         q = q * cos + torch.matmul(q, self.rotate_half) * sin  # RoPE
         k_new = k_new * cos + torch.matmul(k_new, self.rotate_half) * sin
-        return self.o_proj(self.core(q, k_new, v_new, past_key, past_value, bias if grouped else self.grouped_bias(bias))), k_new, v_new
+        attended = self.core(q, k_new, v_new, past_key, past_value, bias if grouped else self.grouped_bias(bias))
+        return self.o_proj(attended), k_new, v_new
 
 
 class Rotary(nn.Module):

@@ -1,5 +1,6 @@
 """Attention that reads the KV cache where it lies, for the onnx backend on CPU: an onnxruntime custom op
-(``kangaroo.CachedAttention``, ``ort_cached_attention.c``) that replaces each layer's ``AttentionCore`` call.
+(``kangaroo.CachedAttention``, ``ort_cached_attention.c``) that replaces each layer's attention nodes (the scope of its
+:class:`~kangaroo_backends.onnx_export.AttentionCore`).
 
 Why: the exported graphs are standard ONNX, so each layer's attention concatenates the cached keys/values with the
 new ones and transposes them (copies of the whole cache, every layer, every pass). Measured with onnxruntime's
@@ -15,9 +16,9 @@ each row the bits the one-row pass gives it (what makes Kangaroo on this backend
 
 The export marks the attention: :class:`~kangaroo_backends.onnx_export.AttentionCore` is a module of its own, so its
 nodes share one scope (``/attns.<i>/core/...``), and the graph's metadata ``kangaroo.attention_core`` lists the
-scopes with the heads, KV heads, head size and scale. The graph itself stays standard ONNX, identical to revision 5's;
-:func:`swap_attention` replaces each scope's nodes by the custom op when a CPU session is created (the files on disk
-are never changed).
+scopes with the heads, KV heads, head size and scale. The graph itself stays standard ONNX, the operations of
+revision 5; :func:`swap_attention` replaces each scope's nodes by the custom op when a CPU session is created (the
+files on disk are never changed).
 
 Built at first use with the system C compiler into ``$KANGAROO_CACHE_DIR/native/`` (like
 :mod:`kangaroo_backends.native`), without OpenMP: the op runs its work items on onnxruntime's own intra-op threads
