@@ -35,7 +35,10 @@ def build_library(compiler: str, sources: dict[str, bytes], flags: tuple[str, ..
                   main: str | None = None) -> Path:
     """Compile ``sources`` (every one, or only ``main``, which includes the others) into
     ``cache_dir()/native/<stem>-<hash>.so`` once; the hash covers the sources, the flags and the compiler's version."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RuntimeError(str(exc)) from None
     key = hashlib.sha256(b"".join(sources.values()) + " ".join(flags).encode() + version.encode()).hexdigest()[:20]
     target = cache_dir() / "native" / f"{stem}-{key}.so"
     if target.exists():
@@ -59,21 +62,34 @@ def build_library(compiler: str, sources: dict[str, bytes], flags: tuple[str, ..
     return target
 
 
-@functools.lru_cache(maxsize=None)
-def _library() -> tuple[ctypes.CDLL | None, str]:
-    """The built library, or ``(None, why not)``."""
+def build_packaged(sources: tuple[str, ...], flags: tuple[str, ...], stem: str, what: str,
+                   main: str | None = None) -> tuple[Path | None, str]:
+    """Build the package's own C ``sources`` (see :func:`build_library`): ``(path, "")``, or ``(None, why not)`` —
+    ``KANGAROO_NATIVE=0``, no compiler, or the build failed (``what`` names the library in that message)."""
     if os.environ.get("KANGAROO_NATIVE", "1") == "0":
         return None, "disabled by KANGAROO_NATIVE=0"
     cc = compiler()
     if cc is None:
         return None, "no C compiler found (set CC, or install gcc)"
+    texts = {name: resources.files("kangaroo_backends").joinpath(name).read_bytes() for name in sources}
+    try:
+        return build_library(cc, texts, flags, stem, main=main), ""
+    except RuntimeError as exc:
+        return None, f"building {what} failed: {exc}"
+
+
+@functools.lru_cache(maxsize=None)
+def _library() -> tuple[ctypes.CDLL | None, str]:
+    """The built library, or ``(None, why not)``."""
     import torch  # noqa: F401  (loads torch's libgomp first, so the kernels share torch's OpenMP runtime)
 
-    sources = {name: resources.files("kangaroo_backends").joinpath(name).read_bytes() for name in SOURCES}
+    path, why = build_packaged(SOURCES, FLAGS, "small_batch", "the small-batch kernel")
+    if path is None:
+        return None, why
     try:
-        return ctypes.CDLL(str(build_library(cc, sources, FLAGS, "small_batch"))), ""
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        return None, f"building the small-batch kernel failed: {exc}"
+        return ctypes.CDLL(str(path)), ""
+    except OSError as exc:
+        return None, f"loading the small-batch kernel failed: {exc}"
 
 
 def _function(name: str, argtypes: list) -> tuple[object | None, str]:

@@ -31,33 +31,23 @@ from __future__ import annotations
 import ctypes
 import functools
 import json
-import os
-from importlib import resources
 from pathlib import Path
 
-from kangaroo_backends.native import build_library, compiler
+from kangaroo_backends import native
+from kangaroo_backends.native import build_packaged
 
 #: metadata key of an exported graph that marks its attention cores (:func:`mark_attention`)
 METADATA_KEY = "kangaroo.attention_core"
 DOMAIN = "kangaroo"
 OP = "CachedAttention"
 SOURCES = ("ort_cached_attention.c", "small_batch_attention.c")
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-shared", "-fPIC")
+FLAGS = tuple(flag for flag in native.FLAGS if flag != "-fopenmp")  # the torch kernels' flags, no OpenMP
 
 
 @functools.lru_cache(maxsize=None)
 def library() -> tuple[Path | None, str]:
     """The custom-op library's path, or ``(None, why not)``."""
-    if os.environ.get("KANGAROO_NATIVE", "1") == "0":
-        return None, "disabled by KANGAROO_NATIVE=0"
-    cc = compiler()
-    if cc is None:
-        return None, "no C compiler found (set CC, or install gcc)"
-    sources = {name: resources.files("kangaroo_backends").joinpath(name).read_bytes() for name in SOURCES}
-    try:
-        return build_library(cc, sources, FLAGS, "ort_attention", main=SOURCES[0]), ""
-    except RuntimeError as exc:
-        return None, f"building the onnxruntime attention op failed: {exc}"
+    return build_packaged(SOURCES, FLAGS, "ort_attention", "the onnxruntime attention op", main=SOURCES[0])
 
 
 def counters() -> dict[str, int]:
