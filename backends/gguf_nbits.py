@@ -241,9 +241,11 @@ def stacked(weights: list[NBitsWeight]) -> NBitsWeight | None:
 
 
 def quantize_graph(path: str | Path, model, weights: dict[str, NBitsWeight], *, accuracy_level: int = 0,
-                   rows_one_by_one: bool = True) -> dict:
+                   rows_one_by_one: bool = True, out: str | Path | None = None) -> dict:
     """Replace, in the ONNX file at ``path``, every ``MatMul`` by a float32 weight of ``model`` that ``weights`` holds
     with ``MatMulNBits`` over that weight's GGUF blocks; returns ``{"replaced": n, "types": {gguf type: n}}``.
+    The result is written to ``out`` (default: over ``path``), so two graphs can be made from one float32 file without
+    a float32 copy of it on disk.
 
     Weights are recognised by value (torch exports ``x @ W^T`` with the transposed weight as an initializer), so the
     rewrite needs no knowledge of the exporter's initializer names. ``accuracy_level`` 0 computes in float32 (the
@@ -330,5 +332,5 @@ def quantize_graph(path: str | Path, model, weights: dict[str, NBitsWeight], *, 
     graph.initializer.extend(kept + new_inits)
     if not any(op.domain == "com.microsoft" for op in proto.opset_import):
         proto.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    onnx.save(proto, str(path))
+    onnx.save(proto, str(path if out is None else out))
     return {"replaced": sum(counts.values()), "types": counts, "rows_one_by_one": rows_one_by_one}

@@ -541,9 +541,8 @@ def export_onnx(model, out_dir: str | os.PathLike, *, exit_layer: int, fingerpri
                 prefill_level = accuracy_level if one_by_one else PREFILL_ACCURACY_LEVEL
                 if name != "head" and (one_by_one or accuracy_level > prefill_level):
                     prefill_file = tmp / f"{name}.prefill.onnx"
-                    shutil.copyfile(file, prefill_file)
-                    _quantize(prefill_file, name, model, nbits, exit_layer, num_layers, prefill_level,
-                              rows_one_by_one=False)
+                    _quantize(file, name, model, nbits, exit_layer, num_layers, prefill_level, rows_one_by_one=False,
+                              out=prefill_file)
                     check_tolerance(f"{name} (prefill)", validate_outputs(prefill_file, inputs,
                                                                           _cases(name, model, exit_layer)),
                                     _tolerance_at(prefill_level, tolerance))
@@ -597,9 +596,10 @@ def _tolerance_at(accuracy_level: int, tolerance: float) -> float:
 
 
 def _quantize(file: Path, name: str, model, nbits: dict, exit_layer: int, num_layers: int, accuracy_level: int,
-              rows_one_by_one: bool = True) -> dict:
-    """Rewrite one exported graph onto MatMulNBits; every linear layer of the graph must have been replaced (but
-    8-bit ones at float32 activations, which stay float32 MatMuls over their exact dequantization)."""
+              rows_one_by_one: bool = True, out: Path | None = None) -> dict:
+    """Rewrite one exported graph onto MatMulNBits (into ``out``, default over ``file``); every linear layer of the
+    graph must have been replaced (but 8-bit ones at float32 activations, which stay float32 MatMuls over their exact
+    dequantization)."""
     from kangaroo_backends.gguf_nbits import quantize_graph
 
     layers = {"shallow": range(exit_layer), "deep": range(exit_layer, num_layers), "head": ()}[name]
@@ -610,8 +610,13 @@ def _quantize(file: Path, name: str, model, nbits: dict, exit_layer: int, num_la
         raise OnnxExportError(f"the GGUF file has {len(wanted)} of the {expected} linear weights of the {name} graph")
     kept = {n: w.gguf_type for n, w in wanted.items() if accuracy_level <= 1 and w.bits not in FLOAT32_ACTIVATION_BITS}
     wanted = {n: w for n, w in wanted.items() if n not in kept}
-    done = (quantize_graph(file, model, wanted, accuracy_level=accuracy_level, rows_one_by_one=rows_one_by_one)
-            if wanted else {"replaced": 0, "types": {}})
+    if not wanted:
+        if out is not None:
+            shutil.copyfile(file, out)
+        done = {"replaced": 0, "types": {}}
+    else:
+        done = quantize_graph(file, model, wanted, accuracy_level=accuracy_level, rows_one_by_one=rows_one_by_one,
+                              out=out)
     if done["replaced"] != len(wanted):
         raise OnnxExportError(f"only {done['replaced']} of the {name} graph's {len(wanted)} linear layers were found "
                               "in the exported graph; export refused")

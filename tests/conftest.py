@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -17,6 +18,37 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # user's ~/.cache/kangaroo unless they say so).
 USER_CACHE = Path(os.environ.get("KANGAROO_CACHE_DIR") or Path.home() / ".cache" / "kangaroo")
 os.environ["KANGAROO_CACHE_DIR"] = os.environ.get("KANGAROO_TEST_CACHE_DIR") or tempfile.mkdtemp(prefix="kangaroo-test-cache-")
+# Only a directory made for this run is ours to empty: the real models' conversions and ONNX bundles take gigabytes,
+# and a CI machine may have little disk (a run once failed with "No space left on device").
+RUN_CACHE = None if os.environ.get("KANGAROO_TEST_CACHE_DIR") else Path(os.environ["KANGAROO_CACHE_DIR"])
+
+
+def _drop_from_run_cache(path: Path) -> None:
+    """Remove ``path`` if it lies in this run's own cache directory (never in a reused KANGAROO_TEST_CACHE_DIR)."""
+    if RUN_CACHE is not None and Path(path).resolve().is_relative_to(RUN_CACHE.resolve()):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def drop_from_run_cache():
+    """A module's fixture removes what only it needed (a converted model) from this run's cache with this."""
+    return _drop_from_run_cache
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if RUN_CACHE is not None:
+        shutil.rmtree(RUN_CACHE, ignore_errors=True)
+
+
+@pytest.fixture
+def drops_its_onnx_exports():
+    """A real model's ONNX bundles are hundreds of MB each: the test that makes them removes them when it ends."""
+    root = Path(os.environ["KANGAROO_CACHE_DIR"]) / "onnx"
+    before = set(root.glob("*/*"))
+    yield
+    for bundle in set(root.glob("*/*")) - before:
+        _drop_from_run_cache(bundle)
+
 
 WORDS = (
     "the a an sky sea is blue green red why how what because light sun water cold warm day night cat dog runs "

@@ -184,6 +184,28 @@ def test_gguf_export_replaces_every_linear_layer(gguf_bundle):
         assert prefill_ops.count("MatMulNBits") == products and "Scan" not in prefill_ops
         assert not [i for i in graph.initializer if len(i.dims) == 2 and i.dims[0] * i.dims[1] >= 64 * 64
                     and i.data_type == 1 and name != "shallow"]  # no float32 weight matrix left (shallow: embedding)
+    listed = {e[key] for e in manifest["graphs"].values() for key in ("file", "prefill_file") if key in e}
+    assert {p.name for p in out.iterdir() if p.is_file()} == listed | {"manifest.json"}  # nothing else left on disk
+
+
+def test_two_graphs_are_quantized_from_one_float32_file_without_copying_it(tiny_gguf, tmp_path):
+    """The prefill graph is written straight from the float32 export (``out=``), so an export never holds a second
+    float32 copy of a graph on disk (SmolLM2's deep graph is 400 MB); the float32 file is left as it was."""
+    import onnx
+
+    from kangaroo_backends.gguf_nbits import quantize_graph
+    from kangaroo_backends.onnx_export import export_onnx
+
+    model, path = tiny_gguf
+    export_onnx(model, tmp_path / "f32", exit_layer=1, quiet=True)
+    source = tmp_path / "f32" / "deep.onnx"
+    before = source.read_bytes()
+    weights = {n: w for n, w in read_linear_weights(path, model.config).items() if n.startswith("model.layers.")
+               and int(n.split(".")[2]) >= 1}
+    done = quantize_graph(source, model, weights, rows_one_by_one=False, out=tmp_path / "prefill.onnx")
+    assert done["replaced"] == len(weights) == 14 and source.read_bytes() == before
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "prefill.onnx")).graph.node]
+    assert ops.count("MatMulNBits") == 8 and "Scan" not in ops  # q/k/v and gate/up stacked: 4 products per layer
 
 
 def test_int8_activations_also_take_the_8_bit_head(tiny_gguf, tmp_path):

@@ -32,10 +32,12 @@ LLAMA_CPP_IDS = {
 
 
 @pytest.fixture(scope="module")
-def gemma():
+def gemma(drop_from_run_cache):
     from kangaroo_backends.loading import load_model
 
-    return load_model("gemma3-270m")
+    loaded = load_model("gemma3-270m")
+    yield loaded
+    drop_from_run_cache(Path(loaded[0].name_or_path))  # its float32 conversion: 1 GB that no later test reads
 
 
 def dev_turns(count: int) -> list[str]:

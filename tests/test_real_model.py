@@ -152,6 +152,7 @@ def alone_and_drafted(backend, config, prompt_ids):
     return alone, drafted
 
 
+@pytest.mark.usefixtures("drops_its_onnx_exports")
 def test_the_gguf_file_s_own_4_bit_weights_on_onnxruntime(smollm, references):
     """The 4-bit onnx backend (MatMulNBits over the GGUF blocks, float32 activations): Kangaroo with the shipped
     adapter is token-identical to that backend's target alone; it computes transformers' weights, so it also matches
@@ -175,6 +176,7 @@ def test_the_gguf_file_s_own_4_bit_weights_on_onnxruntime(smollm, references):
     assert backend.manifest["weights"]["format"] == "gguf-matmulnbits"
 
 
+@pytest.mark.usefixtures("drops_its_onnx_exports")
 @pytest.mark.parametrize("threads", [1, 2])
 def test_int8_activations_verify_all_rows_at_once_and_exactly_on_the_real_model(smollm, references, threads):
     """At accuracy level 4 the 4-bit graphs multiply all rows in one MatMulNBits call (its int8 kernel computes each
@@ -202,6 +204,7 @@ def test_int8_activations_verify_all_rows_at_once_and_exactly_on_the_real_model(
         assert drafted.mean_accepted_tokens > 1.2
 
 
+@pytest.mark.usefixtures("drops_its_onnx_exports")
 def test_token_trees_on_onnxruntime_match_the_target_alone(smollm, references):
     """The float32 onnx backend verifies token trees with the same graphs as chains: with the shipped adapter, the
     default tree and a wide EAGLE-2 tree are token-identical to that backend's target alone (and to transformers up
