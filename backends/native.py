@@ -1,8 +1,9 @@
 """The small-batch verify kernels (``small_batch_linear.c``, ``small_batch_attention.c``), built once per machine with
 the system C compiler into one library.
 
-Built at first use into ``$KANGAROO_CACHE_DIR/native/<hash>.so`` (the hash covers the sources, the compiler flags and
-the compiler's version, so an edit or another compiler rebuilds) and loaded with :mod:`ctypes`; it links OpenMP
+Built at first use into ``$KANGAROO_CACHE_DIR/native/<hash>.so`` (the hash covers the sources, the compiler flags,
+the compiler's version and, for ``-march=native`` builds, the CPU's model and instruction sets, so an edit, another
+compiler or a cache directory shared with another CPU rebuilds) and loaded with :mod:`ctypes`; it links OpenMP
 against the ``libgomp`` that torch has already loaded, so both share one thread pool. Nothing depends on it: without
 a C compiler, on a platform where the build fails, or with ``KANGAROO_NATIVE=0``, :func:`small_batch_kernel` and
 :func:`small_batch_attention` return ``None`` and the reason, and the backend runs the plain transformers path.
@@ -14,6 +15,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -31,15 +33,35 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
+@functools.cache
+def cpu_identity() -> str:
+    """What ``-march=native`` depends on: the CPU's model name and instruction-set flags (Linux ``/proc/cpuinfo``),
+    else the platform's processor string. A library built for one CPU can crash another with an illegal
+    instruction, so a cache directory shared between machines keeps one build per CPU."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    first = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        first.setdefault(key.strip(), value.strip())
+    found = [first.get(k, "") for k in ("model name", "flags", "Features", "CPU part")]  # x86, then Arm's names
+    return "|".join(found) if any(found) else f"{platform.machine()}|{platform.processor()}"
+
+
 def build_library(compiler: str, sources: dict[str, bytes], flags: tuple[str, ...], stem: str,
                   main: str | None = None) -> Path:
     """Compile ``sources`` (every one, or only ``main``, which includes the others) into
-    ``cache_dir()/native/<stem>-<hash>.so`` once; the hash covers the sources, the flags and the compiler's version."""
+    ``cache_dir()/native/<stem>-<hash>.so`` once; the hash covers the sources, the flags, the compiler's version and,
+    with ``-march=native``, :func:`cpu_identity`."""
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise RuntimeError(str(exc)) from None
-    key = hashlib.sha256(b"".join(sources.values()) + " ".join(flags).encode() + version.encode()).hexdigest()[:20]
+    cpu = cpu_identity() if "-march=native" in flags else ""
+    key = hashlib.sha256(b"".join(sources.values()) + " ".join(flags).encode() + version.encode()
+                         + cpu.encode()).hexdigest()[:20]
     target = cache_dir() / "native" / f"{stem}-{key}.so"
     if target.exists():
         return target

@@ -259,6 +259,28 @@ def test_a_failing_compiler_is_reported_not_raised(monkeypatch, tmp_path):
         native._library.cache_clear()
 
 
+def test_a_native_build_is_kept_per_cpu(monkeypatch, tmp_path):
+    """-march=native code can crash another CPU with an illegal instruction: a cache directory shared between machines
+    keeps one build per CPU (model name and instruction sets), and one build for all CPUs without -march=native."""
+    cc = native.compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("KANGAROO_CACHE_DIR", str(tmp_path))
+    sources = {"one.c": b"int one(void) { return 1; }\n"}
+    flags = ("-O1", "-march=native", "-shared", "-fPIC")
+    here = native.build_library(cc, sources, flags, "one")
+    assert native.build_library(cc, sources, flags, "one") == here and here.is_file()
+    assert native.cpu_identity() and native.cpu_identity() == native.cpu_identity()
+    monkeypatch.setattr(native, "cpu_identity", lambda: "another CPU|avx2")
+    there = native.build_library(cc, sources, flags, "one")
+    assert there != here and there.is_file()
+    portable = ("-O1", "-shared", "-fPIC")
+    monkeypatch.setattr(native, "cpu_identity", lambda: "a third CPU")
+    first = native.build_library(cc, sources, portable, "one")
+    monkeypatch.setattr(native, "cpu_identity", lambda: "a fourth CPU")
+    assert native.build_library(cc, sources, portable, "one") == first
+
+
 def test_fast_layers_only_swap_linears_and_attention_config():
     model, _ = fp32_target(3)
     twin = fast_layers(model.model.layers[:1], None, model.config)[0]
