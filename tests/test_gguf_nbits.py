@@ -306,6 +306,14 @@ def test_a_verify_pass_reproduces_one_position_passes_bit_for_bit(tiny_gguf, tmp
     backend = OnnxBackend(model, TinyTokenizer(96, None), 1, "tiny", bundle=tmp_path / "b", provider="cpu", threads=2)
     check_rows_exact(backend, [7, 1, 30], [5, 17, 3, 88, 41, 9, 60, 2], splits=[(1, 7)])  # one row, then a 7-row pass
     check_rows_exact(backend, [7, 1, 30], [5, 17, 3, 88, 41, 9, 60, 2], splits=[(8,)])  # the prefill's pass too
+    # the attention op runs where a cache is read: the main graphs, and a prefill graph that also takes the one-row
+    # passes (level 1); an int8 export's prefill graphs run only the prompt, nothing cached, so they keep their own
+    from kangaroo_backends import ort_attention
+
+    swapped = {p.name for p in backend.swapped}
+    if ort_attention.library()[0] is not None:  # a C compiler builds the op (KANGAROO_NATIVE unset)
+        assert swapped == {"shallow.onnx", "deep.onnx"} | (set() if at_once else {"shallow.prefill.onnx",
+                                                                                 "deep.prefill.onnx"})
 
 
 def test_int8_activations_draft_losslessly_and_an_older_4_bit_bundle_is_refused(tiny_gguf, tmp_path):
