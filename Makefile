@@ -18,7 +18,7 @@ install:
 	$(PIP) install -q --no-deps $(foreach pkg,$(EXAMPLES),-e $(pkg))
 
 demo: install
-	$(PY) -m kangaroo_core.cli generate --compare --repeats 3 --max-new-tokens 96 $(if $(MODEL),--model $(MODEL)) "$(PROMPT)"
+	$(PY) -m kangaroo_apps.cli generate --compare --repeats 3 --max-new-tokens 96 $(if $(MODEL),--model $(MODEL)) "$(PROMPT)"
 
 # The live page's test drives Debian's Chromium (never a browser download); installed here when missing.
 browser:

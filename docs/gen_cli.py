@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from kangaroo_core.cli import cli
+from kangaroo_apps.cli import cli
 
 OUT = Path(__file__).resolve().parent / "cli.md"
 

@@ -93,7 +93,7 @@ def register_bench_methods(register):
 
     A bench method is one way of generating a reply that the benchmark measures next to the others on the same
     questions (see :class:`kangaroo_core.interfaces.BenchMethod`; ``rank`` orders the columns): ``prepare(context)`` once on the shared, loaded
-    model (:class:`kangaroo_core.bench.api.BenchContext`: backend, transformers model, tokenizer, config, engines on
+    model (:class:`kangaroo_core.bench_context.BenchContext`: backend, transformers model, tokenizer, config, engines on
     the same backend), then ``run(messages, max_new_tokens)`` per question turn, returning a
     :class:`kangaroo_core.interfaces.MethodResult` (token ids, seconds, round statistics when it has them).
     Selected with ``kangaroo bench --methods NAME,...`` (every registered method by default; built-in:

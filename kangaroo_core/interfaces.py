@@ -421,7 +421,7 @@ class BenchMethod(abc.ABC):
     """A way of generating a reply, measured by ``kangaroo bench``.
 
     Lifecycle: ``create(config, **options)`` → ``prepare(context)`` once (a
-    :class:`kangaroo_core.bench.api.BenchContext`: build engines, check the model; raise to report the method as
+    :class:`kangaroo_core.bench_context.BenchContext`: build engines, check the model; raise to report the method as
     failed) → ``run(messages, max_new_tokens)`` per question turn.
     """
 

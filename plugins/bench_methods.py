@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from kangaroo_core.bench.api import RUN_DEFAULT, BenchContext, BenchMethod, Messages, MethodResult, trim
+from kangaroo_core.bench_context import RUN_DEFAULT, BenchContext, BenchMethod, Messages, MethodResult, trim
 from kangaroo_core.errors import KangarooError
 from kangaroo_core.hookspecs import hookimpl
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kangaroo_core.bench.api import BenchContext, BenchMethod, Messages, MethodResult
+from kangaroo_core.bench_context import BenchContext, BenchMethod, Messages, MethodResult
 from kangaroo_core.errors import KangarooError, MissingDependencyError
 from kangaroo_core.hookspecs import hookimpl
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from kangaroo_core.bench.api import RUN_DEFAULT, BenchContext
+from kangaroo_core.bench_context import RUN_DEFAULT, BenchContext
 from kangaroo_core.errors import KangarooError, MissingDependencyError
 from kangaroo_core.hookspecs import hookimpl
 from kangaroo_plugins.bench_methods import EngineMethod, HFGenerate, KangarooMethod, KangarooTreeMethod

@@ -11,9 +11,9 @@ import pytest
 
 from kangaroo_backends.onnx_export import EXPORT_KEY, FORMAT_VERSION
 from kangaroo_core import plugins
-from kangaroo_core.bench.api import BenchMethod, MethodResult
-from kangaroo_core.bench.harness import METRIC_KEYS, metrics, rotate
-from kangaroo_core.cli import main
+from kangaroo_core.bench_context import BenchMethod, MethodResult
+from kangaroo_apps.bench.harness import METRIC_KEYS, metrics, rotate
+from kangaroo_apps.cli import main
 from kangaroo_core.hookspecs import hookimpl
 
 QUESTIONS = [
@@ -142,8 +142,8 @@ class Scripted(BenchMethod):
 def test_a_method_differing_from_its_target_alone_is_reported():
     from types import SimpleNamespace
 
-    from kangaroo_core.bench.harness import run_bench, summarize
-    from kangaroo_core.bench.questions import Question
+    from kangaroo_apps.bench.harness import run_bench, summarize
+    from kangaroo_apps.bench.questions import Question
 
     def method(name, tokens, target_alone=""):
         m = Scripted(tokens)
@@ -293,7 +293,7 @@ def test_missing_questions_file_and_unknown_method(tmp_path, capsys):
 
 
 def test_metrics_pool_rounds_and_passes():
-    from kangaroo_core.bench.harness import Record
+    from kangaroo_apps.bench.harness import Record
     from kangaroo_core.results import RoundResult
 
     rounds = [RoundResult(3, 3, 4, 0.3, 0.1), RoundResult(2, 0, 1, 0.1, 0.1)]

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from kangaroo_core.cli import main
+from kangaroo_apps.cli import main
 from kangaroo_core.config import DecodeConfig
 from kangaroo_core.engine import Engine
 from kangaroo_core.errors import AdapterMismatchError, PromptError
@@ -197,7 +197,7 @@ def test_cli_model_and_adapter_errors(tmp_path, engine, tiny_model_dir, other_ti
 
 
 def test_console_script_prints_no_traceback():
-    proc = subprocess.run([sys.executable, "-m", "kangaroo_core.cli", "generate", "hi", "--eta", "7"],
+    proc = subprocess.run([sys.executable, "-m", "kangaroo_apps.cli", "generate", "hi", "--eta", "7"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert proc.stderr.strip() == "kangaroo: error: eta must be in [0, 1], got 7.0"
@@ -235,7 +235,7 @@ def test_shipped_adapter_is_the_default_for_its_base_model(tmp_path, engine, tin
 
 
 def test_engine_options_from_the_generate_flags():
-    from kangaroo_core.cli_options import EngineOptions
+    from kangaroo_apps.cli_options import EngineOptions
 
     opts = EngineOptions.from_args(["--tree", "dynamic", "--tree-budget", "4", "--eta", "0.3", "--threads", "1"])
     assert opts.tree == "dynamic" and opts.eta == 0.3 and opts.threads == 1

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from kangaroo_core.cli import main
+from kangaroo_apps.cli import main
 from kangaroo_core.config import DecodeConfig
 from kangaroo_core.engine import Engine
 from kangaroo_core.config import ConfigError
 from kangaroo_core.errors import AdapterMismatchError
 from kangaroo_core.interfaces import SelfDrafter
 from kangaroo_core.results import Verdict
-from kangaroo_core.testing import ScriptedDrafter, hf_greedy, tiny_backend, tiny_llama
+from kangaroo_apps.testing import ScriptedDrafter, hf_greedy, tiny_backend, tiny_llama
 from kangaroo_plugins.greedy_verifier import GreedyVerifier
 from kangaroo_plugins.kangaroo.adapter import KangarooAdapter
 from kangaroo_plugins.kangaroo.drafter import KangarooDrafter
@@ -201,8 +201,8 @@ def test_bad_plugin_options_are_one_line_naming_the_valid_ones(tiny_model_dir, c
 
 def test_kangaroo_onnx_keeps_the_configured_policy(tiny_model_dir, tmp_path, monkeypatch):
     pytest.importorskip("onnxruntime")
-    from kangaroo_core.bench.api import BenchContext
-    from kangaroo_core.cli_options import EngineOptions
+    from kangaroo_core.bench_context import BenchContext
+    from kangaroo_apps.cli_options import EngineOptions
     from kangaroo_plugins.onnx_bench_methods import KangarooOnnx
 
     monkeypatch.setenv("KANGAROO_CACHE_DIR", str(tmp_path))
@@ -215,8 +215,8 @@ def test_kangaroo_onnx_keeps_the_configured_policy(tiny_model_dir, tmp_path, mon
 
 
 def test_an_adapter_directory_named_default_is_used(tiny_model_dir, tmp_path, monkeypatch):
-    from kangaroo_core.bench.api import BenchContext
-    from kangaroo_core.cli_options import EngineOptions
+    from kangaroo_core.bench_context import BenchContext
+    from kangaroo_apps.cli_options import EngineOptions
     from kangaroo_plugins.bench_methods import KangarooMethod
 
     opts = EngineOptions(model=str(tiny_model_dir))
@@ -314,7 +314,7 @@ def test_invalid_utf8_in_prompt_and_questions_is_one_line(tiny_model_dir, tmp_pa
 
 
 def test_a_closed_stdout_pipe_keeps_the_stats_line_and_exit_status(tiny_model_dir, monkeypatch, capsys):
-    import kangaroo_core.cli as cli_module
+    import kangaroo_apps.cli as cli_module
 
     real_echo = cli_module.click.echo
     written = []
@@ -343,7 +343,7 @@ def test_bad_usage_exits_2_and_a_bare_kangaroo_prints_the_help(capsys):
 
 def test_the_cli_starts_without_importing_torch():
     """Ctrl-C in the first second must reach the CLI's handler, so nothing heavy is imported before main() runs."""
-    code = "import sys, kangaroo_core.cli; print('torch' in sys.modules)"
+    code = "import sys, kangaroo_apps.cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 
@@ -364,7 +364,7 @@ def test_onnx_backend_keeps_positions_and_returns_deep_states_like_torch(tmp_pat
     pytest.importorskip("onnxruntime")
     from kangaroo_backends.onnx_backend import OnnxBackend
     from kangaroo_backends.onnx_export import export_onnx
-    from kangaroo_core.testing import TinyTokenizer
+    from kangaroo_apps.testing import TinyTokenizer
 
     model = tiny_llama(11, layers=3, dtype=torch.float32)
     export_onnx(model, tmp_path / "b", exit_layer=1, quiet=True)
@@ -385,8 +385,8 @@ def test_onnx_backend_keeps_positions_and_returns_deep_states_like_torch(tmp_pat
 
 
 def test_bench_context_forwards_drafter_options_and_the_hybrid_measures_only_greedy_drafts(tiny_model_dir):
-    from kangaroo_core.bench.api import BenchContext
-    from kangaroo_core.cli_options import EngineOptions
+    from kangaroo_core.bench_context import BenchContext
+    from kangaroo_apps.cli_options import EngineOptions
     from kangaroo_core.config import SamplingConfig
     from kangaroo_plugins.kangaroo.hybrid import HybridDrafter
 

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from kangaroo_core.cli import main
-from kangaroo_core.cli_options import EngineOptions
+from kangaroo_apps.cli import main
+from kangaroo_apps.cli_options import EngineOptions
 from kangaroo_tools import corpus as corpus_module
 from kangaroo_tools.corpus import Corpus, CorpusError, CorpusSettings, Record, build, plan, read_shard, write_shard
 
@@ -206,7 +206,7 @@ def test_the_preallocated_cache_answers_exactly_as_transformers_default_cache(fa
     cache layer) equal those of transformers' own growing cache, token for token."""
     from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-    from kangaroo_core.testing import tiny_model
+    from kangaroo_apps.testing import tiny_model
 
     model = tiny_model(family, seed=3, eos_token_id=5)
     prompts = [[1, 2, 3], [4, 9, 12, 7, 30, 2, 2, 8, 41, 3], [17], [6, 6, 6, 6, 6, 6, 6, 60]]

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kangaroo_core.config import DecodeConfig
 from kangaroo_core.engine import Engine
 from kangaroo_core.errors import AdapterMismatchError
-from kangaroo_core.testing import TinyTokenizer, hf_greedy, tiny_backend, tiny_llama
+from kangaroo_apps.testing import TinyTokenizer, hf_greedy, tiny_backend, tiny_llama
 from kangaroo_plugins.greedy_verifier import GreedyVerifier
 from kangaroo_plugins.kangaroo.adapter import KangarooAdapter
 from kangaroo_plugins.kangaroo.deep_context import DeepContextAdapter
@@ -222,7 +222,7 @@ def test_a_draft_head_needs_a_draft_vocabulary():
 
 def test_hybrid_drafter_hands_deep_states_to_a_deep_context_adapter(tmp_path):
     """The hybrid drafter reads deep states for its own counts and passes them on to the adapter it wraps."""
-    from kangaroo_core.testing import check_lossless, tiny_target
+    from kangaroo_apps.testing import check_lossless, tiny_target
     from kangaroo_plugins.kangaroo.hybrid import HybridDrafter
 
     target = tiny_target(4)
@@ -242,7 +242,7 @@ def test_hybrid_drafter_hands_deep_states_to_a_deep_context_adapter(tmp_path):
 @pytest.mark.parametrize("eta, gamma", [(0.0, 4), (0.05, 3)])
 def test_replay_of_a_deep_context_drafter_equals_the_engine(tmp_path, eta, gamma):
     """`kangaroo analyze-policies` replays answers: for a deep-context adapter it follows the depth pattern."""
-    from kangaroo_core.testing import tiny_target
+    from kangaroo_apps.testing import tiny_target
     from kangaroo_tools.replay import replay_answer, simulate_policy
 
     target = tiny_target(0)  # a seed whose greedy output gets drafts accepted (checked below)

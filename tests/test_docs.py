@@ -4,7 +4,7 @@ import re
 from pathlib import Path
 
 from kangaroo_core import hookspecs
-from kangaroo_core.cli import cli
+from kangaroo_apps.cli import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 HOOKS = sorted(name for name in dir(hookspecs) if name.startswith("register_"))

@@ -25,7 +25,7 @@ from kangaroo_plugins.greedy_verifier import GreedyVerifier
 from kangaroo_plugins.kangaroo.drafter import KangarooDrafter
 from kangaroo_policies.threshold import ThresholdPolicy
 
-from kangaroo_core.testing import ScriptedDrafter, error_positions, hf_greedy, set_eos, tiny_backend, tiny_llama
+from kangaroo_apps.testing import ScriptedDrafter, error_positions, hf_greedy, set_eos, tiny_backend, tiny_llama
 
 ATOL = 1e-10
 

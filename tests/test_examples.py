@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kangaroo_core import DecodeConfig
-from kangaroo_core.cli import main
+from kangaroo_apps.cli import main
 from kangaroo_core.engine import Engine
 
 ROOT = Path(__file__).resolve().parent.parent

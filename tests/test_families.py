@@ -21,7 +21,7 @@ from kangaroo_backends.torch_eager import TorchBackend, model_fingerprint
 from kangaroo_core.config import DecodeConfig
 from kangaroo_core.engine import Engine, encode_prompt, plain_prompt
 from kangaroo_core.errors import AdapterMismatchError, ModelLoadError
-from kangaroo_core.testing import TINY_FAMILIES, TinyTokenizer, hf_greedy, tiny_model
+from kangaroo_apps.testing import TINY_FAMILIES, TinyTokenizer, hf_greedy, tiny_model
 from kangaroo_plugins.kangaroo.adapter import KangarooAdapter
 from kangaroo_plugins.kangaroo.deep_context import DeepContextAdapter
 from kangaroo_plugins.kangaroo.drafter import KangarooDrafter
@@ -211,7 +211,7 @@ def test_sentencepiece_bpe_merges_rank_by_score():
 
 @pytest.mark.parametrize("family", ["gemma3", "qwen3", "mistral"])
 def test_model_generate_custom_generate_on_every_family(family, one_torch_thread):
-    from kangaroo_core.hf import kangaroo_generate, last_result
+    from kangaroo_apps.hf import kangaroo_generate, last_result
 
     m = model(family)
     for prompt in PROMPTS:
@@ -241,7 +241,7 @@ def save_tiny_family_dir(directory, family: str):
 def test_bench_runs_every_backend_on_another_family(family, tmp_path, monkeypatch, one_torch_thread):
     import json
 
-    from kangaroo_core.cli import main
+    from kangaroo_apps.cli import main
 
     directory = save_tiny_family_dir(tmp_path / family, family)
     questions = tmp_path / "questions.jsonl"
@@ -261,7 +261,7 @@ def test_bench_runs_every_backend_on_another_family(family, tmp_path, monkeypatc
 
 def test_without_an_exit_layer_the_adapter_s_own_layer_is_used(tmp_path, one_torch_thread):
     from kangaroo_backends.loading import load_model
-    from kangaroo_core.cli_options import EngineOptions
+    from kangaroo_apps.cli_options import EngineOptions
 
     directory = save_tiny_family_dir(tmp_path / "gemma", "gemma3")
     loaded, _, _ = load_model(directory)
@@ -285,7 +285,7 @@ def test_exit_layer_costs_tool_splits_at_each_adapter_s_layer(tmp_path, one_torc
     from click.testing import CliRunner
 
     from kangaroo_backends.loading import load_model
-    from kangaroo_tools.exit_layer_costs import main
+    from kangaroo_apps.studies.exit_layer_costs import main
 
     directory = save_tiny_family_dir(tmp_path / "qwen3", "qwen3")
     loaded, _, _ = load_model(directory)
@@ -335,7 +335,7 @@ def test_architecture_report_joins_training_costs_and_bench(tmp_path):
 
     from click.testing import CliRunner
 
-    from kangaroo_tools.architecture_report import main
+    from kangaroo_apps.studies.architecture_report import main
 
     costs, bench = [], []
     for layer in (1, 2):

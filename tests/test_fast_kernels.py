@@ -13,11 +13,11 @@ from kangaroo_backends.fast_layers import SmallBatchLinear, fast_layers, grouped
 from kangaroo_backends.kv_cache import causal_mask
 from kangaroo_backends.torch_eager import TorchBackend
 from kangaroo_backends.weight_arena import place_weights
-from kangaroo_core.bench.cost_model import measure_costs
-from kangaroo_core.cli import main
+from kangaroo_core.cost_model import measure_costs
+from kangaroo_apps.cli import main
 from kangaroo_core.config import ConfigError, DecodeConfig
 from kangaroo_core.engine import Engine
-from kangaroo_core.testing import TinyTokenizer, check_rows_exact, hf_greedy, tiny_llama, tiny_model
+from kangaroo_apps.testing import TinyTokenizer, check_rows_exact, hf_greedy, tiny_llama, tiny_model
 from kangaroo_core.tree import TreeAttention
 from kangaroo_plugins.greedy_verifier import GreedyVerifier
 from kangaroo_plugins.kangaroo.drafter import KangarooDrafter

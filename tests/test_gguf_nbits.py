@@ -117,7 +117,7 @@ def write_tiny_gguf(model, path, qtype=QT.Q4_1, head_type=QT.Q8_0):
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
-    from kangaroo_core.testing import tiny_llama
+    from kangaroo_apps.testing import tiny_llama
 
     model = tiny_llama(5, vocab=96, hidden=64, layers=3, heads=4, kv_heads=2, dtype=torch.float32,
                        tie_word_embeddings=False, init_std=0.3)
@@ -240,7 +240,7 @@ def kangaroo_equals_target_alone(backend, prompts, max_new_tokens: int = 30) -> 
 
 def test_kangaroo_on_the_gguf_backend_is_lossless(tiny_gguf, gguf_bundle):
     from kangaroo_backends.onnx_backend import OnnxBackend
-    from kangaroo_core.testing import TinyTokenizer, hf_greedy
+    from kangaroo_apps.testing import TinyTokenizer, hf_greedy
 
     model, _ = tiny_gguf
     out, _ = gguf_bundle
@@ -255,7 +255,7 @@ def test_kangaroo_on_the_gguf_backend_is_lossless(tiny_gguf, gguf_bundle):
 def test_gguf_weights_need_a_gguf_model(tiny_gguf):
     from kangaroo_backends.onnx_backend import OnnxBackend
     from kangaroo_core.config import ConfigError
-    from kangaroo_core.testing import TinyTokenizer
+    from kangaroo_apps.testing import TinyTokenizer
 
     model, _ = tiny_gguf
     with pytest.raises(ConfigError, match="weights=gguf needs a model loaded from a GGUF file"):
@@ -289,7 +289,7 @@ def test_a_verify_pass_reproduces_one_position_passes_bit_for_bit(tiny_gguf, tmp
     activations. Either way a pass over n positions gives exactly the logits of n one-position passes."""
     from kangaroo_backends.onnx_backend import OnnxBackend
     from kangaroo_backends.onnx_export import export_onnx
-    from kangaroo_core.testing import TinyTokenizer, check_rows_exact
+    from kangaroo_apps.testing import TinyTokenizer, check_rows_exact
 
     model, path = tiny_gguf
     manifest = export_onnx(model, tmp_path / "b", exit_layer=1, weights="gguf", gguf_path=path, accuracy_level=level,
@@ -324,7 +324,7 @@ def test_int8_activations_draft_losslessly_and_an_older_4_bit_bundle_is_refused(
     from kangaroo_backends.onnx_export import export_onnx
     from kangaroo_core.config import ConfigError, DecodeConfig
     from kangaroo_core.engine import Engine
-    from kangaroo_core.testing import TinyTokenizer
+    from kangaroo_apps.testing import TinyTokenizer
     from kangaroo_plugins.greedy_verifier import GreedyVerifier
     from kangaroo_plugins.kangaroo.drafter import KangarooDrafter
     from kangaroo_policies.threshold import ThresholdPolicy

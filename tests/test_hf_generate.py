@@ -12,8 +12,8 @@ from transformers import TextIteratorStreamer
 from transformers.generation.streamers import BaseStreamer
 
 from kangaroo_core.errors import AdapterMismatchError, KangarooError
-from kangaroo_core.hf import UnsupportedGenerateOption, kangaroo_generate, last_result
-from kangaroo_core.testing import tiny_llama
+from kangaroo_apps.hf import UnsupportedGenerateOption, kangaroo_generate, last_result
+from kangaroo_apps.testing import tiny_llama
 
 PROMPT = torch.tensor([[1, 2, 3, 4, 7, 9, 11]])
 

@@ -5,7 +5,7 @@ Each registers a class through a plugin object and resolves it by name from a re
 
 import pytest
 
-from kangaroo_core.bench.api import BenchMethod
+from kangaroo_core.bench_context import BenchMethod
 from kangaroo_core.hookspecs import hookimpl
 from kangaroo_core.interfaces import Backend, SelfDrafter, StoppingPolicy, Verifier
 from kangaroo_core.plugins import Registry

@@ -7,7 +7,7 @@ import torch
 
 from kangaroo_core.config import DecodeConfig
 from kangaroo_core.engine import Engine
-from kangaroo_core.testing import check_drafter, hf_greedy, tiny_backend, tiny_llama
+from kangaroo_apps.testing import check_drafter, hf_greedy, tiny_backend, tiny_llama
 from kangaroo_plugins.greedy_verifier import GreedyVerifier
 from kangaroo_plugins.kangaroo.hybrid import HybridDrafter, lookup
 from kangaroo_policies.threshold import ThresholdPolicy

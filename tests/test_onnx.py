@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kangaroo_backends.onnx_export import EXPORT_KEY, FORMAT_VERSION
-from kangaroo_core.cli import main
+from kangaroo_apps.cli import main
 from kangaroo_core.config import ConfigError, DecodeConfig
 from kangaroo_core.engine import Engine
 from kangaroo_core.errors import (AdapterMismatchError, MissingDependencyError, OnnxExportError, OnnxModelError,
@@ -23,7 +23,7 @@ from kangaroo_plugins.kangaroo.adapter import KangarooAdapter
 from kangaroo_plugins.greedy_verifier import GreedyVerifier
 from kangaroo_plugins.kangaroo.drafter import KangarooDrafter
 from kangaroo_policies.threshold import ThresholdPolicy
-from kangaroo_core.testing import TinyTokenizer, check_rows_exact, hf_greedy, tiny_backend, tiny_llama
+from kangaroo_apps.testing import TinyTokenizer, check_rows_exact, hf_greedy, tiny_backend, tiny_llama
 
 HAS_ORT = importlib.util.find_spec("onnxruntime") is not None and importlib.util.find_spec("onnx") is not None
 needs_ort = pytest.mark.skipif(not HAS_ORT, reason="onnxruntime/onnx not installed (pip install '.[onnx]')")
@@ -303,7 +303,7 @@ def test_attention_option_falls_back_or_refuses_in_one_line(bundles, tmp_path, m
 
 def test_cli_attention_choices_are_the_backends():
     from kangaroo_backends.onnx_backend import ATTENTION
-    from kangaroo_core.cli_options import _SHARED
+    from kangaroo_apps.cli_options import _SHARED
 
     option = next(o for o in (d(lambda: None).__click_params__[0] for d in _SHARED) if o.name == "onnx_attention")
     assert tuple(option.type.choices) == ATTENTION
@@ -454,7 +454,7 @@ def test_unknown_spinning_is_one_line_error():
 def test_cli_spinning_choices_are_the_backends():
     """``--onnx-spinning`` lists its choices in the core (which does not import backends); they must stay SPINNING."""
     from kangaroo_backends.onnx_backend import SPINNING
-    from kangaroo_core.cli_options import _SHARED
+    from kangaroo_apps.cli_options import _SHARED
 
     option = next(o for o in (d(lambda: None).__click_params__[0] for d in _SHARED) if o.name == "onnx_spinning")
     assert tuple(option.type.choices) == SPINNING

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from kangaroo_core import hookspecs, plugins
-from kangaroo_core.cli import main
+from kangaroo_apps.cli import main
 from kangaroo_core.errors import PluginError
 from kangaroo_core.hookspecs import hookimpl
 from kangaroo_core.interfaces import Backend, SelfDrafter, StoppingPolicy, Verifier

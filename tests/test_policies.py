@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kangaroo_core.cli import main
+from kangaroo_apps.cli import main
 from kangaroo_core.config import ConfigError, DecodeConfig, SamplingConfig
 from kangaroo_core.engine import Engine
 from kangaroo_core.errors import PredictorMismatchError
@@ -27,7 +27,7 @@ from kangaroo_policies.predictor import FEATURES, AcceptancePredictor, draft_fea
 from kangaroo_tools.policy_training import fit, round_samples
 from kangaroo_policies.threshold import ThresholdPolicy
 
-from kangaroo_core.testing import ScriptedDrafter, error_positions, hf_greedy, tiny_backend, tiny_llama
+from kangaroo_apps.testing import ScriptedDrafter, error_positions, hf_greedy, tiny_backend, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -108,7 +108,7 @@ def test_learned_without_options_uses_the_predictor_shipped_with_the_adapter(tmp
     """No predictor option: the one in ``<adapter>/predictor/`` (the drafter's ``default_predictor``); an adapter
     without one is refused in one line at the first generation."""
     from kangaroo_core.engine import Engine
-    from kangaroo_core.testing import hf_greedy, tiny_backend, tiny_llama
+    from kangaroo_apps.testing import hf_greedy, tiny_backend, tiny_llama
     from kangaroo_plugins.greedy_verifier import GreedyVerifier
     from kangaroo_plugins.kangaroo.adapter import KangarooAdapter
     from kangaroo_plugins.kangaroo.drafter import KangarooDrafter

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kangaroo_core.cli import main
+from kangaroo_apps.cli import main
 from kangaroo_core.config import DecodeConfig
 from kangaroo_core.engine import Engine
 from kangaroo_plugins.greedy_verifier import GreedyVerifier
@@ -25,7 +25,7 @@ from kangaroo_policies.oracle import OraclePolicy
 from kangaroo_policies.predictor import AcceptancePredictor
 from kangaroo_policies.threshold import ThresholdPolicy
 
-from kangaroo_core.testing import ScriptedDrafter, error_positions, tiny_backend, tiny_llama
+from kangaroo_apps.testing import ScriptedDrafter, error_positions, tiny_backend, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 POLICIES = ["fixed", "adaptive", "learned", "oracle", "threshold"]

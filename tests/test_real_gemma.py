@@ -81,7 +81,7 @@ def test_gemma_greedy_identity_with_transformers(gemma, kernels):
 
 def test_generate_compare_uses_the_shipped_adapter_by_default(gemma, capsys):
     """The issue's "done when": ``kangaroo generate --model gemma3-270m --compare`` on the shipped adapter."""
-    from kangaroo_core.cli import main
+    from kangaroo_apps.cli import main
 
     assert main(["generate", "--model", "gemma3-270m", "--compare", "--max-new-tokens", "24",
                  "Why is the sky blue?"]) == 0

@@ -108,7 +108,7 @@ def test_many_accepted_drafts_on_the_real_model(smollm, references, exit_layer, 
     really checks up to gamma positions per pass and the phase-5 reuse runs; output must still be the target's."""
     import random
 
-    from kangaroo_core.testing import ScriptedDrafter, error_positions
+    from kangaroo_apps.testing import ScriptedDrafter, error_positions
 
     model, tokenizer, name = smollm
     backend = TorchBackend(model, tokenizer, exit_layer, name, kernels=kernels)
@@ -134,7 +134,7 @@ def test_verify_passes_reproduce_one_position_passes_on_the_real_model(smollm):
     n = 2..16 new positions equal n one-position passes bit for bit (transformers' layers differ by up to ~5e-5)."""
     import random
 
-    from kangaroo_core.testing import check_rows_exact
+    from kangaroo_apps.testing import check_rows_exact
 
     model, tokenizer, name = smollm
     backend = TorchBackend(model, tokenizer, 2, name)
@@ -187,7 +187,7 @@ def test_int8_activations_verify_all_rows_at_once_and_exactly_on_the_real_model(
 
     from kangaroo_backends.gguf_nbits import ROWS_AT_ONCE
     from kangaroo_backends.onnx_backend import OnnxBackend
-    from kangaroo_core.testing import check_rows_exact
+    from kangaroo_apps.testing import check_rows_exact
 
     model, tokenizer, name = smollm
     backend = OnnxBackend(model, tokenizer, 2, name, provider="cpu", weights="gguf", accuracy_level=4, threads=threads,

@@ -23,7 +23,7 @@ from kangaroo_plugins.kangaroo.drafter import KangarooDrafter
 from kangaroo_plugins.speculative_verifier import SpeculativeVerifier
 from kangaroo_policies.threshold import ThresholdPolicy
 
-from kangaroo_core.testing import ScriptedDrafter, tiny_backend, tiny_llama
+from kangaroo_apps.testing import ScriptedDrafter, tiny_backend, tiny_llama
 
 VOCAB, PROMPT, TOKENS = 5, [1, 2, 3, 4], 3
 SAMPLING = SamplingConfig(temperature=1.3, top_k=4, top_p=0.95)

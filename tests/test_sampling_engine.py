@@ -15,7 +15,7 @@ from kangaroo_plugins.kangaroo.drafter import KangarooDrafter
 from kangaroo_plugins.speculative_verifier import SpeculativeVerifier
 from kangaroo_policies.threshold import ThresholdPolicy
 
-from kangaroo_core.testing import ScriptedDrafter, hf_greedy, set_eos, tiny_backend, tiny_llama
+from kangaroo_apps.testing import ScriptedDrafter, hf_greedy, set_eos, tiny_backend, tiny_llama
 
 SETTINGS = settings(max_examples=25, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow])

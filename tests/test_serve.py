@@ -20,9 +20,9 @@ import pytest
 
 from kangaroo_core.config import DecodeConfig, SamplingConfig
 from kangaroo_core.engine import Engine
-from kangaroo_core.serve.app import create_app
-from kangaroo_core.serve.local import LocalServer
-from kangaroo_core.serve.worker import TextAssembler
+from kangaroo_apps.serve.app import create_app
+from kangaroo_apps.serve.local import LocalServer
+from kangaroo_apps.serve.worker import TextAssembler
 from kangaroo_policies.threshold import ThresholdPolicy
 
 PROMPTS = ["tell me a story about the sea", "why is the sky blue", "write a poem about the cat", "hello world"]
@@ -341,7 +341,7 @@ def test_live_page_streams_and_marks_accepted_drafts(server, client):
 def test_bounded_load_16_clients_x_4_requests(tiny_model_dir):
     """The load test of the issue on the tiny engine, with a queue smaller than the crowd: the designed 429s happen,
     are retried, and every answer is whole and equal to its single-client run."""
-    from kangaroo_tools.serve_load import passed, run_load
+    from kangaroo_apps.studies.serve_load import passed, run_load
 
     engine = build_engine(tiny_model_dir, max_new_tokens=24)
     with LocalServer(create_app(engine, queue_size=6)) as running:

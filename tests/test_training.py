@@ -102,7 +102,7 @@ def test_simulated_rounds_leave_the_budgets_last_token_to_the_target():
 
 def replayed(correct, confidence, eta, gamma, budget_limited=False):
     """Accepted drafts per round of the shared replay on an answer whose drafts are right where ``correct`` says."""
-    from kangaroo_core.testing import make_draft_step
+    from kangaroo_apps.testing import make_draft_step
 
     answer = [10 + j for j in range(len(correct) + 1)]
     steps = []
@@ -224,7 +224,7 @@ def test_simulated_cr_equals_the_real_engine(tmp_path, backend, draft_vocab, ada
 
 def test_draft_vocabulary_restricts_drafting_and_stays_lossless(tmp_path, backend):
     from kangaroo_tools.adapter_training import draft_vocab_from_records
-    from kangaroo_core.testing import hf_greedy
+    from kangaroo_apps.testing import hf_greedy
 
     prompts = write_prompts(tmp_path / "p.jsonl", malformed=False)
     work = tmp_path / "w"
@@ -334,7 +334,7 @@ def test_feature_loss_adds_the_weighted_regression_to_the_deep_states(backend):
 def test_cli_matmul_choices_are_the_training_configs():
     """``--feature-matmuls`` / ``--train-matmuls`` list their choices in the core CLI (which imports the training
     tools only when the command runs); they must stay the ones TrainConfig accepts."""
-    from kangaroo_core.cli import train_adapter_command
+    from kangaroo_apps.cli import train_adapter_command
     from kangaroo_tools.adapter_training import MATMUL_DTYPES
 
     options = {p.name: p for p in train_adapter_command.params}

@@ -17,7 +17,7 @@ from kangaroo_core.config import ConfigError, DecodeConfig, SamplingConfig
 from kangaroo_core.engine import Engine
 from kangaroo_core.interfaces import SelfDrafter, Verifier
 from kangaroo_core.results import Verdict
-from kangaroo_core.testing import hf_greedy, set_eos, tiny_backend, tiny_llama
+from kangaroo_apps.testing import hf_greedy, set_eos, tiny_backend, tiny_llama
 from kangaroo_core.tree import (DraftTree, TreeAttention, VerifyTree, first_token_distribution, greedy_tree_walk,
                                 sample_tree_walk)
 from kangaroo_plugins.greedy_verifier import GreedyVerifier
@@ -311,7 +311,7 @@ def test_the_budget_is_read_off_the_measured_cost_curve(tiny_model_dir):
 def test_refusals():
     model = tiny_llama(1, vocab=32, hidden=16, layers=3)
     backend = tiny_backend(model, exit_layer=1)
-    from kangaroo_core.testing import ScriptedDrafter
+    from kangaroo_apps.testing import ScriptedDrafter
 
     with pytest.raises(ConfigError, match="cannot draft token trees"):
         make_engine(backend, ScriptedDrafter([1, 2, 3], 32), DynamicTree(budget=4))
@@ -405,7 +405,7 @@ def test_sample_walk_uses_the_residual():
 def test_generate_tree_from_the_command_line(tiny_model_dir, capsys):
     import json
 
-    from kangaroo_core.cli import main
+    from kangaroo_apps.cli import main
 
     base = ["generate", "tell me a story", "--model", str(tiny_model_dir), "--max-new-tokens", "12", "--json",
             "--exit-layer", "1"]
@@ -425,7 +425,7 @@ def bench_identical(model_dir, questions, out, labels, *flags) -> dict:
     """Run ``kangaroo bench`` (8 new tokens) and assert the ``labels`` ran without error, identical to the baseline."""
     import json
 
-    from kangaroo_core.cli import main
+    from kangaroo_apps.cli import main
 
     assert main(["bench", "--questions", str(questions), "--model", str(model_dir), "--exit-layer", "1",
                  "--max-new-tokens", "8", "--no-progress", "--no-warmup", "--out", str(out), *flags]) == 0
@@ -462,7 +462,7 @@ def onnx_target(family: str, seed: int, exit_layer: int, root):
     """(float32 model, onnx backend) exported once per (family, seed, exit layer) for the module."""
     from kangaroo_backends.onnx_backend import OnnxBackend
     from kangaroo_backends.onnx_export import export_onnx
-    from kangaroo_core.testing import TinyTokenizer, tiny_model
+    from kangaroo_apps.testing import TinyTokenizer, tiny_model
 
     key = (family, seed, exit_layer)
     if key not in ONNX_MODELS:
@@ -535,7 +535,7 @@ def test_onnx_tree_sampling_follows_the_target_distribution(tmp_path, one_torch_
     distribution, and the wrong rule is caught on the same backend."""
     from kangaroo_backends.onnx_backend import OnnxBackend
     from kangaroo_backends.onnx_export import export_onnx
-    from kangaroo_core.testing import TinyTokenizer
+    from kangaroo_apps.testing import TinyTokenizer
     from test_sampling_distribution import SAMPLING, VOCAB, chi_square, exact_distribution
 
     model = tiny_llama(2, vocab=VOCAB, hidden=16, layers=3, heads=4, kv_heads=2, dtype=torch.float32)
@@ -603,7 +603,7 @@ def test_the_kangaroo_drafter_drafts_the_same_trees_on_onnx_as_on_torch(onnx_roo
 def test_onnx_trees_from_the_command_line_and_the_bench(tiny_model_dir, tmp_path, capsys):
     import json
 
-    from kangaroo_core.cli import main
+    from kangaroo_apps.cli import main
 
     base = ["generate", "tell me a story", "--model", str(tiny_model_dir), "--max-new-tokens", "12", "--json",
             "--exit-layer", "1", "--backend", "onnx"]

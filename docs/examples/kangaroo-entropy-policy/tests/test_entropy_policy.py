@@ -5,7 +5,7 @@ import torch
 
 from kangaroo_core.config import ConfigError
 from kangaroo_core.engine import Engine
-from kangaroo_core.testing import check_policy, make_draft_step
+from kangaroo_apps.testing import check_policy, make_draft_step
 from kangaroo_entropy_policy import EntropyPolicy, entropy
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from kangaroo_core.testing import check_drafter
+from kangaroo_apps.testing import check_drafter
 from kangaroo_prompt_lookup import PromptLookupDrafter, lookup
 
 

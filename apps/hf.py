@@ -4,7 +4,7 @@ transformers (4.57) hands a callable ``custom_generate`` the prepared ``generati
 ``stopping_criteria``; :func:`kangaroo_generate` runs the Kangaroo loop on the caller's *already loaded* model (its
 modules and weights shared, nothing reloaded) and returns what ``generate`` returns::
 
-    from kangaroo_core.hf import kangaroo_generate
+    from kangaroo_apps.hf import kangaroo_generate
     out = model.generate(input_ids, max_new_tokens=64, custom_generate=kangaroo_generate)   # == plain generate()
 
 What maps where:

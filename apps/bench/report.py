@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kangaroo_core.bench.harness import CTAR_WINDOWS, REFERENCE
+from kangaroo_apps.bench.harness import CTAR_WINDOWS, REFERENCE
 
 SUBTASK_TITLES = {"mt_bench": "MT-bench", "translation": "Translation", "summarization": "Summarization", "qa": "QA",
                   "math_reasoning": "Math", "rag": "RAG"}
@@ -214,3 +214,26 @@ def write_outputs(out: Path, summary: dict[str, Any], subtasks: list[str], info:
     files.append(plot_ctar(summary, subtasks, out / "ctar.png"))
     files.append(plot_speedup(summary, subtasks, out / "speedup.png"))
     return files
+
+
+def plot_curves(curves, path) -> None:
+    """One line per curve: t(n) / t(1) against n, with the 1.0 and 1.2 lines a verify pass should stay near."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for curve in curves:
+        rel = curve.relative
+        ax.plot(list(rel), list(rel.values()), marker="o",
+                label=f"{curve.backend} ({curve.kernels}), t(1) = {curve.verify_ms[0]:.1f} ms")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.axhline(1.2, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("new positions per pass")
+    ax.set_ylabel("time / one-position pass")
+    ax.set_title(f"verify cost, {curves[0].threads} thread(s), {curves[0].context}-token context")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -14,9 +14,9 @@ from typing import Any
 
 import attrs
 
-from kangaroo_core.bench.api import BenchContext
+from kangaroo_core.bench_context import BenchContext
 from kangaroo_core.interfaces import BenchMethod, MethodResult
-from kangaroo_core.bench.questions import Question, subtasks_in_order
+from kangaroo_apps.bench.questions import Question, subtasks_in_order
 from kangaroo_core.errors import UsageError
 from kangaroo_core.metrics import compression_rate, ctar, mean_drafted
 from kangaroo_core.plugins import get_registry

@@ -19,8 +19,8 @@ import attrs
 
 from kangaroo_core.config import SamplingConfig
 from kangaroo_core.errors import KangarooError
-from kangaroo_core.serve.metrics import ServerMetrics
-from kangaroo_core.serve.protocol import ApiError
+from kangaroo_apps.serve.metrics import ServerMetrics
+from kangaroo_apps.serve.protocol import ApiError
 
 log = logging.getLogger("kangaroo.serve")
 

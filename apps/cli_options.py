@@ -216,7 +216,7 @@ class EngineOptions:
     @classmethod
     def from_args(cls, args: list[str]) -> "EngineOptions":
         """The options ``kangaroo generate`` would build from these flags (for tools that take engine flags)."""
-        from kangaroo_core.cli import cli
+        from kangaroo_apps.cli import cli
 
         ctx = cli.commands["generate"].make_context("generate", ["-", *args])
         return cls(**{k: v for k, v in ctx.params.items() if k in _FIELDS})

@@ -1,8 +1,8 @@
 """The cross-architecture table and plot: per model and exit layer, held-out agreement and simulated CR (training
-reports), draft-step cost over a full forward (:mod:`kangaroo_tools.exit_layer_costs`), CR and speedup on dev
+reports), draft-step cost over a full forward (:mod:`kangaroo_apps.studies.exit_layer_costs`), CR and speedup on dev
 questions (a ``kangaroo bench --adapters`` run)::
 
-    python -m kangaroo_tools.architecture_report --out DIR \\
+    python -m kangaroo_apps.studies.architecture_report --out DIR \\
         --model "SmolLM2-135M" SWEEP_DIR_PREFIX COSTS.json BENCH_DIR \\
         --model "Gemma 3 270M" SWEEP_DIR_PREFIX COSTS.json BENCH_DIR
 

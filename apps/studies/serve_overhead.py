@@ -2,7 +2,7 @@
 (``openai`` client, non-streaming and streaming), interleaved prompt by prompt with the order alternating, wall time
 on both sides.
 
-    python -m kangaroo_tools.serve_overhead --limit 12 --repeats 2 --max-new-tokens 64 -- --threads 2
+    python -m kangaroo_apps.studies.serve_overhead --limit 12 --repeats 2 --max-new-tokens 64 -- --threads 2
 
 By default the server runs in this process on the *same engine object* (uvicorn on a thread), so the comparison
 isolates the server's own work (HTTP, JSON, the queue, the engine thread, detokenising per round) from machine
@@ -53,19 +53,19 @@ def main(questions, limit, repeats, use_subprocess, max_new_tokens, port, out, e
     import openai
     from tqdm import tqdm
 
-    from kangaroo_core.bench.questions import load_questions
-    from kangaroo_core.cli_options import EngineOptions
-    from kangaroo_core.serve.local import free_port
+    from kangaroo_apps.bench.questions import load_questions
+    from kangaroo_apps.cli_options import EngineOptions
+    from kangaroo_apps.serve.local import free_port
 
-    from kangaroo_core.serve.app import create_app
-    from kangaroo_core.serve.local import LocalServer
+    from kangaroo_apps.serve.app import create_app
+    from kangaroo_apps.serve.local import LocalServer
 
     prompts = [q.turns[0] for q in load_questions(questions)][:limit] * repeats
     port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     server = in_process = None
     if use_subprocess:
-        server = subprocess.Popen([sys.executable, "-m", "kangaroo_core.cli", "serve", "--port", str(port),
+        server = subprocess.Popen([sys.executable, "-m", "kangaroo_apps.cli", "serve", "--port", str(port),
                                    "--log-level", "warning", "--max-new-tokens", str(max_new_tokens), *engine_args])
     try:
         # this side: the same flags, parsed by the same command line, into an engine

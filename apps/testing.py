@@ -3,7 +3,7 @@
 Everything runs on a tiny random Llama that the kit builds itself (float64, a few layers, no download, well under a
 second per check on a CPU), so a plugin's own test suite can call it::
 
-    from kangaroo_core.testing import check_drafter, check_policy
+    from kangaroo_apps.testing import check_drafter, check_policy
 
     def test_my_drafter_conforms():
         check_drafter(MyDrafter)            # a class, a factory ``f() -> SelfDrafter``, or a registered name
@@ -592,7 +592,7 @@ if pytest is not None:
     @pytest.fixture
     def kangaroo_conformance():
         """This module: ``kangaroo_conformance.check_drafter(MyDrafter)``."""
-        import kangaroo_core.testing as kit
+        import kangaroo_apps.testing as kit
 
         return kit
 

@@ -118,26 +118,3 @@ def measure_costs(backend, drafter=None, *, context: int = 300, positions: Seque
         context=context, positions=positions,
         verify_ms=tuple(1000 * statistics.median(times[n]) for n in positions),
         draft_step_ms=1000 * statistics.median(draft_times) if draft_times else None, repeats=repeats)
-
-
-def plot_curves(curves: Sequence[CostCurve], path) -> None:
-    """One line per curve: t(n) / t(1) against n, with the 1.0 and 1.2 lines a verify pass should stay near."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for curve in curves:
-        rel = curve.relative
-        ax.plot(list(rel), list(rel.values()), marker="o",
-                label=f"{curve.backend} ({curve.kernels}), t(1) = {curve.verify_ms[0]:.1f} ms")
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.axhline(1.2, color="grey", lw=0.8, ls="--")
-    ax.set_xlabel("new positions per pass")
-    ax.set_ylabel("time / one-position pass")
-    ax.set_title(f"verify cost, {curves[0].threads} thread(s), {curves[0].context}-token context")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

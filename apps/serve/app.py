@@ -6,7 +6,7 @@ Routes::
     POST /v1/completions        raw-text completion; streaming likewise
     GET  /v1/models             the one served model
     GET  /health                200 {"status": "ok", ...} while the engine thread runs, else 503
-    GET  /metrics               Prometheus text format (see :mod:`kangaroo_core.serve.metrics`)
+    GET  /metrics               Prometheus text format (see :mod:`kangaroo_apps.serve.metrics`)
     GET  /                      the live page: type a prompt, watch accepted drafts and target tokens arrive
 
 Every error is ``{"error": {"message", "type", "param", "code"}}`` with the status OpenAI uses; nothing a client
@@ -32,10 +32,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kangaroo_core.config import ConfigError, SamplingConfig
 from kangaroo_core.engine import encode_prompt
 from kangaroo_core.errors import KangarooError
-from kangaroo_core.serve import protocol
-from kangaroo_core.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from kangaroo_core.serve.protocol import ApiError, ChatRequest, CompletionRequest
-from kangaroo_core.serve.worker import Delta, EngineWorker, Failed, Finished, Job
+from kangaroo_apps.serve import protocol
+from kangaroo_apps.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from kangaroo_apps.serve.protocol import ApiError, ChatRequest, CompletionRequest
+from kangaroo_apps.serve.worker import Delta, EngineWorker, Failed, Finished, Job
 
 #: Request bodies larger than this are refused with 413 before they are parsed.
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
@@ -162,7 +162,7 @@ def create_app(engine, *, model_id: str | None = None, queue_size: int = 16, def
 
     @app.get("/", response_class=HTMLResponse)
     async def page():
-        html = resources.files("kangaroo_core.serve").joinpath("page.html").read_text(encoding="utf-8")
+        html = resources.files("kangaroo_apps.serve").joinpath("page.html").read_text(encoding="utf-8")
         return HTMLResponse(html.replace("{{MODEL_ID}}", model_id))
 
     return app

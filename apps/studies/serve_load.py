@@ -10,7 +10,7 @@ one at a time, and the report says whether
 * nothing failed but the designed 429/503,
 * ``/health`` still answers ok.
 
-    python -m kangaroo_tools.serve_load --url http://127.0.0.1:8000 --clients 16 --requests 4
+    python -m kangaroo_apps.studies.serve_load --url http://127.0.0.1:8000 --clients 16 --requests 4
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def main(url, questions, clients, requests, max_tokens, out) -> None:
     """Load-test a running kangaroo server; exit 1 unless every check passes."""
     from tqdm import tqdm
 
-    from kangaroo_core.bench.questions import load_questions
+    from kangaroo_apps.bench.questions import load_questions
 
     prompts = [q.turns[0] for q in load_questions(questions)]
     total = clients * requests

@@ -1,6 +1,6 @@
 """Draw one drafted token tree and the path the target accepted (docs/images/tree-round.png).
 
-    python -m kangaroo_tools.tree_picture --out docs/images/tree-round.png -- --threads 2
+    python -m kangaroo_apps.studies.tree_picture --out docs/images/tree-round.png -- --threads 2
 
 Runs the engine with ``--tree dynamic`` (engine flags after ``--``) on a prompt, records every round's verify tree
 and verdict, and draws the round with the most branching among those that accepted at least two drafts: nodes are
@@ -69,7 +69,7 @@ def draw(view, verdict, tokenizer, out: str, title: str) -> None:
 @click.option("--out", default="docs/images/tree-round.png", show_default=True)
 @click.argument("engine_args", nargs=-1, type=click.UNPROCESSED)
 def main(prompt, max_new_tokens, out, engine_args) -> None:
-    from kangaroo_core.cli_options import EngineOptions
+    from kangaroo_apps.cli_options import EngineOptions
 
     engine = EngineOptions.from_args(["--tree", "dynamic", "--max-new-tokens", str(max_new_tokens),
                                       *engine_args]).engine()

@@ -16,7 +16,7 @@ import attrs
 import click
 
 from kangaroo_core.config import DEFAULT_DRAFTER, DEFAULT_EXIT_LAYER
-from kangaroo_core.cli_options import EngineOptions, check_out_dir, engine_options, model_options, parse_key_values
+from kangaroo_apps.cli_options import EngineOptions, check_out_dir, engine_options, model_options, parse_key_values
 from kangaroo_core.errors import KangarooError, UsageError
 
 
@@ -174,7 +174,7 @@ def _int_list(text: str | None, flag: str) -> list[int]:
 def _adapter_specs(text: str | None):
     from pathlib import Path
 
-    from kangaroo_core.bench.harness import MethodSpec
+    from kangaroo_apps.bench.harness import MethodSpec
     from kangaroo_core.errors import BenchError
     from kangaroo_core.files import read_json
 
@@ -212,7 +212,7 @@ def parse_policy_list(text: str | None, flag: str = "--policies") -> list[tuple[
 
 def _policy_specs(text: str | None):
     """``--policies`` of ``kangaroo bench``: one kangaroo column per policy."""
-    from kangaroo_core.bench.harness import MethodSpec
+    from kangaroo_apps.bench.harness import MethodSpec
 
     return [MethodSpec(f"kangaroo[policy={label}]", "kangaroo", {"policy": name, "policy_options": options})
             for label, name, options in parse_policy_list(text)]
@@ -250,10 +250,10 @@ def bench(questions_file, out_dir, methods, limit_per_subtask, repeats, no_warmu
 
     import torch
 
-    from kangaroo_core.bench.api import BenchContext
-    from kangaroo_core.bench.harness import MethodSpec, build_methods, parse_methods, run_bench, summarize
-    from kangaroo_core.bench.questions import load_questions
-    from kangaroo_core.bench.report import write_adapters, write_outputs, write_sweep
+    from kangaroo_core.bench_context import BenchContext
+    from kangaroo_apps.bench.harness import MethodSpec, build_methods, parse_methods, run_bench, summarize
+    from kangaroo_apps.bench.questions import load_questions
+    from kangaroo_apps.bench.report import write_adapters, write_outputs, write_sweep
 
     config = opts.config()
     eta, gamma, max_new_tokens = opts.eta, opts.gamma, opts.max_new_tokens
@@ -464,8 +464,8 @@ def analyze_policies_command(questions_file, out_dir, policies, limit_per_subtas
     adapter alone (kangaroo), not the hybrid's lookups."""
     import torch
 
-    from kangaroo_core.bench.questions import load_questions
-    from kangaroo_core.bench.report import write_json
+    from kangaroo_apps.bench.questions import load_questions
+    from kangaroo_apps.bench.report import write_json
     from kangaroo_tools.policy_analysis import analysis_markdown, plot_calibration, plot_eta_curves, run_analysis
 
     out = check_out_dir(out_dir)
@@ -623,7 +623,8 @@ def profile(opts: EngineOptions, context, positions, repeats, compare_plain, out
     """The backend's measured cost model: a pass over n new positions vs one, and one draft step."""
     from tqdm import tqdm
 
-    from kangaroo_core.bench.cost_model import measure_costs, plot_curves
+    from kangaroo_apps.bench.report import plot_curves
+    from kangaroo_core.cost_model import measure_costs
 
     sizes = _int_list(positions, "--positions")
     if not sizes or min(sizes) < 1:
@@ -674,7 +675,7 @@ def serve(opts: EngineOptions, host, port, queue_size, served_model_name, max_re
     try:
         import uvicorn
 
-        from kangaroo_core.serve.app import create_app
+        from kangaroo_apps.serve.app import create_app
     except ImportError as exc:
         from kangaroo_core.errors import MissingDependencyError
 
