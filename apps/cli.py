@@ -16,7 +16,8 @@ import attrs
 import click
 
 from kangaroo_core.config import DEFAULT_DRAFTER, DEFAULT_EXIT_LAYER
-from kangaroo_apps.cli_options import EngineOptions, check_out_dir, engine_options, model_options, parse_key_values
+from kangaroo_apps.cli_options import (EngineCommand, EngineOptions, check_out_dir, engine_options, model_options,
+                                       parse_key_values, set_threads)
 from kangaroo_core.errors import KangarooError, UsageError
 
 
@@ -41,7 +42,7 @@ def cli() -> None:
     """Lossless self-speculative decoding (Kangaroo: double early exiting)."""
 
 
-@cli.command()
+@cli.command(cls=EngineCommand)
 @click.argument("prompt")
 @engine_options
 @click.option("--vanilla", is_flag=True, help="Run the target model alone (no drafting), for comparison.")
@@ -218,7 +219,7 @@ def _policy_specs(text: str | None):
             for label, name, options in parse_policy_list(text)]
 
 
-@cli.command()
+@cli.command(cls=EngineCommand)
 @click.option("--questions", "questions_file", default=DEFAULT_QUESTIONS, show_default=True,
               help="Spec-Bench-format JSONL (question_id, turns, subtask or category).")
 @click.option("--out", "out_dir", default="bench-results", show_default=True, help="Output directory.")
@@ -262,7 +263,6 @@ def bench(questions_file, out_dir, methods, limit_per_subtask, repeats, no_warmu
     etas, gammas = _float_list(sweep_eta, "--sweep-eta"), _int_list(sweep_gamma, "--sweep-gamma")
     adapter_specs, adapter_points = _adapter_specs(adapters)
     policy_specs = _policy_specs(policies)
-    options = opts.parsed_policy_options()
     sweeping = bool(etas or gammas)
     only_variants = methods is None and (sweeping or adapter_specs or policy_specs or tree_budgets)
     specs = parse_methods("hf_vanilla" if only_variants else methods)
@@ -281,10 +281,8 @@ def bench(questions_file, out_dir, methods, limit_per_subtask, repeats, no_warmu
     specs += adapter_specs + policy_specs
     if baseline not in [s.label for s in specs]:
         raise UsageError(f"--baseline {baseline!r} is not one of the measured methods: {', '.join(s.label for s in specs)}")
-    backend_obj, config = opts.settled(config)  # at the shipped adapter's layer unless --exit-layer says otherwise
-    context = BenchContext(backend_obj, config, drafter=opts.drafter, policy=opts.policy, verifier=opts.verifier,
-                           adapter=opts.adapter, policy_options=options, drafter_options=opts.parsed_drafter_options(),
-                           tree_options=opts.parsed_tree_options(), tree=opts.tree)
+    backend_obj = opts.backend()  # at the shipped adapter's layer unless --exit-layer says otherwise
+    context = BenchContext(backend_obj, opts.spec())
     run = run_bench(context, build_methods(specs, context), questions, max_new_tokens=max_new_tokens, repeats=repeats,
                     warmup=not no_warmup, progress=not no_progress)
     summary = summarize(run, baseline)
@@ -400,7 +398,7 @@ def train_adapter_command(out_dir, model, exit_layer, threads, prompts_file, cor
         corpus.manifest()  # not a corpus: refused before the model loads
     else:
         read_prompts(prompts_file, warn=lambda _m: None)  # a file without usable prompts is refused before any work
-    backend = EngineOptions(model=model, exit_layer=exit_layer, threads=threads).backend()
+    backend = EngineOptions(model=model, exit_layer=exit_layer, threads=threads).backend(vanilla=True)
     work = work_dir or cache_dir() / "train" / backend.fingerprint
     _eprint(f"kangaroo: work directory {work} (re-run the same command to resume)")
     report = train_adapter(backend, prompts_file, work, out_dir, config, command_line=command_line(), log=_eprint,
@@ -430,17 +428,17 @@ def command_line() -> str:
 def train_policy_command(out_dir, model, exit_layer, threads, adapter, prompts_file, num_prompts, gamma, max_new_tokens,
                          steps, lr, seed) -> None:
     """Fit the learned policy's acceptance predictor on fixed-gamma greedy runs over training prompts."""
-    from kangaroo_core.engine import _resolve
+    from kangaroo_core.assembly import build_pieces
     from kangaroo_tools.policy_training import train_predictor
 
     if num_prompts < 1 or steps < 1:
         raise UsageError("--num-prompts and --steps must be >= 1")
     check_out_dir(out_dir)
     opts = EngineOptions(model=model, exit_layer=exit_layer, threads=threads, gamma=gamma, max_new_tokens=max_new_tokens,
-                         adapter=adapter)
-    backend, config = opts.settled()  # the adapter's exit layer unless --exit-layer is given
-    drafter = _resolve("drafter", "kangaroo", config, {"adapter": adapter} if adapter else {})
-    report = train_predictor(backend, drafter, prompts_file, out_dir, num_prompts=num_prompts, gamma=gamma,
+                         adapter=adapter, drafter="kangaroo", policy="fixed")
+    set_threads(threads)
+    pieces = build_pieces(opts.spec())  # at the adapter's exit layer unless --exit-layer is given
+    report = train_predictor(pieces.backend, pieces.drafter, prompts_file, out_dir, num_prompts=num_prompts, gamma=gamma,
                              max_new_tokens=max_new_tokens, steps=steps, lr=lr, seed=seed,
                              command_line=command_line(), log=_eprint)
     _eprint(f"kangaroo: predictor written to {out_dir}: {report['samples']} samples, accept rate "
@@ -448,7 +446,7 @@ def train_policy_command(out_dir, model, exit_layer, threads, adapter, prompts_f
     click.echo(out_dir)
 
 
-@cli.command("analyze-policies")
+@cli.command("analyze-policies", cls=EngineCommand)
 @click.option("--questions", "questions_file", default=DEFAULT_QUESTIONS, show_default=True,
               help="Spec-Bench-format JSONL (evaluation questions; nothing is trained on them).")
 @click.option("--out", "out_dir", default="policy-analysis", show_default=True, help="Output directory.")
@@ -509,14 +507,15 @@ def analyze_policies_command(questions_file, out_dir, policies, limit_per_subtas
               help="With --weights gguf: MatMulNBits accuracy level; 1 float32 activations, 4 int8 activations (lossy).")
 def export_onnx_command(out, model, exit_layer, threads, adapter, opset, tolerance, weights, accuracy_level) -> None:
     """Export shallow M[:l], deep M[l:] and the head to ONNX (+ the Kangaroo adapter's graph), validated against eager."""
-    from kangaroo_backends.onnx_export import export_onnx, import_onnxruntime
+    from kangaroo_backends.onnx_export import export_onnx
+    from kangaroo_backends.onnx_toolkit import import_onnxruntime
 
     import_onnxruntime()
     check_out_dir(out)
     # torch: the weights to export, split at the adapter's exit layer unless --exit-layer is given
-    backend, config = EngineOptions(model=model, exit_layer=exit_layer, threads=threads,
-                                    adapter=None if adapter == "none" else adapter).settled()
-    exit_layer = config.exit_layer
+    backend = EngineOptions(model=model, exit_layer=exit_layer, threads=threads,
+                            adapter=None if adapter == "none" else adapter).backend()
+    exit_layer = backend.exit_layer
     gguf_path = None
     if weights == "gguf":
         from kangaroo_backends.loading import gguf_source
@@ -531,7 +530,8 @@ def export_onnx_command(out, model, exit_layer, threads, adapter, opset, toleran
         check = entry["validation"]
         _eprint(f"[{graph}] {entry['file']}: max |onnx - eager| {check['max_abs_diff']:.2e} (tolerance {check['tolerance']:.2e})")
     if adapter != "none":  # the drafter exports its own graph into the bundle, as it does on first use
-        opts = EngineOptions(model=model, exit_layer=exit_layer, threads=threads, backend_name="onnx", onnx_dir=out,
+        opts = EngineOptions(model=model, exit_layer=exit_layer, threads=threads, backend_name="onnx",
+                             backend_options=(f"bundle={out}",),
                              adapter=adapter, drafter="kangaroo",  # the adapter's graph (every drafter's adapter)
                              drafter_options=(f"onnx_opset={opset}", f"onnx_tolerance={tolerance}"))
         engine = opts.engine(backend=_resolve_onnx(opts, backend))
@@ -544,7 +544,7 @@ def _resolve_onnx(opts: EngineOptions, torch_backend):
     from kangaroo_core.plugins import get_registry
 
     return get_registry().resolve("backend", "onnx")(torch_backend.base_model(), torch_backend.tokenizer, opts.exit_layer, torch_backend.model_name,
-                       bundle=opts.onnx_dir, threads=opts.threads)
+                       bundle=opts.parsed_backend_options().get("bundle"), threads=opts.threads)
 
 
 @cli.group()
@@ -610,7 +610,7 @@ def _print_corpus(summary: dict) -> None:
                    f"tokens ({rate:.1f} answer tokens/s while generating)")
 
 
-@cli.command()
+@cli.command(cls=EngineCommand)
 @engine_options
 @click.option("--context", type=int, default=300, show_default=True, help="Tokens already in the cache.")
 @click.option("--positions", default="1,2,3,4,6,8,12,16", show_default=True,
@@ -655,7 +655,7 @@ def profile(opts: EngineOptions, context, positions, repeats, compare_plain, out
         plot_curves(curves, plot_file)
 
 
-@cli.command()
+@cli.command(cls=EngineCommand)
 @engine_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
 @click.option("--port", type=int, default=8000, show_default=True)

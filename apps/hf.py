@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from kangaroo_core.config import DEFAULT_DRAFTER, DEFAULT_EXIT_LAYER, DecodeConfig, SamplingConfig
+from kangaroo_core.config import DEFAULT_EXIT_LAYER, DecodeConfig, SamplingConfig
 from kangaroo_core.errors import KangarooError
 
 #: Logits processors that are the sampling warpers Kangaroo applies itself (from generation_config's values).
@@ -76,8 +76,10 @@ def kangaroo_generate(
         kangaroo_adapter: an adapter directory or shipped adapter name; None: the shipped adapter made for this
             model at this exit layer (an untrained one, still lossless, when none fits).
         kangaroo_exit_layer: None (default) for the layer of the shipped adapter made for this model, else 2.
-        kangaroo_eta / kangaroo_gamma / kangaroo_policy / kangaroo_kernels: as the CLI's
-            ``--exit-layer --eta --gamma --policy --kernels``.
+        kangaroo_eta: as the CLI's ``--eta``.
+        kangaroo_gamma: as the CLI's ``--gamma``.
+        kangaroo_policy: as the CLI's ``--policy``.
+        kangaroo_kernels: as the CLI's ``--kernels`` (torch backend).
 
     Returns: ``[1, prompt + new]`` token ids, or a ``GenerateDecoderOnlyOutput`` with ``return_dict_in_generate``.
     """
@@ -164,25 +166,23 @@ def _eos_ids(generation_config) -> frozenset[int]:
 
 
 def _engine_for(model, adapter, exit_layer, eta, gamma, policy, kernels):
-    """One engine per (model object, settings), built once: the torch backend's view of the model's own layers
-    (resolved through the plugin registry, like every backend)."""
-    from kangaroo_core.engine import Engine
+    """One engine per (model object, settings), assembled once by the composition root around the torch backend's
+    view of the model's own layers (the backend class resolved through the plugin registry, like every backend)."""
+    from kangaroo_core.assembly import EngineSpec
+    from kangaroo_core.engine import assemble
     from kangaroo_core.plugins import get_registry
 
-    TorchBackend = get_registry().resolve("backend", "torch")
     param = next(model.parameters())
     key = (adapter, exit_layer, eta, gamma, policy, kernels, param.device, param.dtype)  # a moved model: a new view
     engines = model.__dict__.setdefault(ENGINES_ATTR, {})
     if key not in engines:
         name = getattr(model, "name_or_path", "model") or "model"
-        backend = TorchBackend(model, None, DEFAULT_EXIT_LAYER if exit_layer is None else exit_layer, model_name=name, kernels=kernels)
-        drafter = get_registry().resolve("drafter", DEFAULT_DRAFTER)(adapter=adapter)
-        if exit_layer is None:  # the layer the (shipped) adapter was trained at
-            preferred = drafter.preferred_exit_layer(backend.fingerprint)
-            if preferred is not None and preferred != backend.exit_layer:
-                backend = backend.resplit(preferred)
-        config = DecodeConfig(eta=eta, gamma=gamma, exit_layer=backend.exit_layer)
-        engines[key] = Engine.build(config=config, backend=backend, drafter=drafter, policy=policy)
+        TorchBackend = get_registry().resolve("backend", "torch")
+        config = DecodeConfig(eta=eta, gamma=gamma, exit_layer=DEFAULT_EXIT_LAYER if exit_layer is None else exit_layer)
+        backend = TorchBackend(model, None, config.exit_layer, model_name=name, kernels=kernels)
+        spec = EngineSpec(model=name, backend="torch", adapter=adapter, policy=policy, exit_layer=exit_layer,
+                          config=config)
+        engines[key] = assemble(spec, backend=backend)
     return engines[key]
 
 

@@ -22,6 +22,7 @@ from kangaroo_backends.loading import load_model
 from kangaroo_backends.native import small_batch_attention, small_batch_kernel
 from kangaroo_backends.weight_arena import place_weights
 from kangaroo_core.config import ConfigError, DecodeConfig
+from kangaroo_core.flags import Flag
 from kangaroo_core.hookspecs import hookimpl
 from kangaroo_core.interfaces import Backend, DeepOutput
 
@@ -91,6 +92,10 @@ class TorchBackend(Backend):
     name = "torch"
     runtime = "torch"
     supports_trees = True
+    flags = (Flag("--kernels", "kernels", choices=KERNELS,
+                  help="How multi-position (verify) passes run. auto (default): the small-batch verify kernel on CPU "
+                       "float32 (built once with the C compiler) + grouped attention; plain: transformers' layers as "
+                       "they are; small-batch: auto, refusing to fall back."),)
 
     def __init__(self, model, tokenizer, exit_layer: int, model_name: str = "model", kernels: str = "auto"):
         config = model.config
@@ -120,11 +125,8 @@ class TorchBackend(Backend):
         self.cache = KVCache(self.num_layers, config.num_key_value_heads, head_dim, self.dtype, device=self.device)
 
     @classmethod
-    def create(cls, config: DecodeConfig, model: Any = None, dtype: str = "float32", kernels: str = "auto",
-               **options: Any) -> "TorchBackend":
-        if options:
-            raise ConfigError(f"unknown torch backend option(s): {', '.join(sorted(options))}; "
-                              "valid options: model, dtype, kernels")
+    def create(cls, config: DecodeConfig, model: Any = None, dtype: str = "float32",
+               kernels: str = "auto") -> "TorchBackend":
         if dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         if kernels not in KERNELS:

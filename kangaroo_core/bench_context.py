@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from kangaroo_core.interfaces import BenchMethod, Messages, MethodResult
 
 if TYPE_CHECKING:
+    from kangaroo_core.assembly import EngineSpec
     from kangaroo_core.config import DecodeConfig
     from kangaroo_core.engine import Engine
     from kangaroo_core.interfaces import Backend
@@ -33,19 +34,14 @@ RUN_DEFAULT: Any = _RunDefault()
 
 
 class BenchContext:
-    """What every method of one bench run shares: the loaded backend (model loaded once), the decode config and the
-    engine plugin choices (drafter, policy, verifier, adapter)."""
+    """What every method of one bench run shares: the loaded backend (model loaded once) and the run's engine
+    description (:class:`~kangaroo_core.assembly.EngineSpec`: drafter, policy, verifier, adapter, tree, config)."""
 
-    def __init__(self, backend: "Backend", config: "DecodeConfig", *, drafter: str = "kangaroo",
-                 policy: str = "threshold", verifier: str = "auto", adapter: str | None = None,
-                 policy_options: dict[str, Any] | None = None, drafter_options: dict[str, Any] | None = None,
-                 tree_options: dict[str, Any] | None = None, tree: str | None = None):
-        self.backend, self.config = backend, config
-        self.tree = tree  # the run's --tree: the shaper of the tree methods (None: theirs, "dynamic")
-        self.drafter, self.policy, self.verifier, self.adapter = drafter, policy, verifier, adapter
-        self.policy_options = dict(policy_options or {})
-        self.drafter_options = dict(drafter_options or {})
-        self.tree_options = dict(tree_options or {})  # the run's --tree-budget / --tree-topk / --tree-depth
+    def __init__(self, backend: "Backend", spec: "EngineSpec"):
+        self.backend, self.spec = backend, spec
+        self.config = spec.config.replace(exit_layer=backend.exit_layer)
+        self.tree = spec.tree  # the run's --tree: the shaper of the tree methods (None: theirs, "dynamic")
+        self.tree_options = dict(spec.tree_options)  # the run's --tree-budget / --tree-topk / --tree-depth
         self._backends = {backend.exit_layer: backend}
         self._encoder: "Engine | None" = None
 
@@ -90,23 +86,27 @@ class BenchContext:
                verifier: Any = None, policy_options: dict[str, Any] | None = None,
                backend: "Backend | None" = None, tree: Any = None, tree_options: dict[str, Any] | None = None,
                ) -> "Engine":
-        """An engine on the shared backend (or ``backend``). ``drafter=None``: the target alone; every other default
-        (drafter, adapter, policy and its options, verifier) comes from the context. ``tree``: a tree shaper
-        name (options: ``tree_options`` over the run's ``--tree-*`` flags) for token-tree rounds."""
-        from kangaroo_core.engine import Engine
+        """An engine on the shared backend (or ``backend``), assembled from the run's description with these
+        changes. ``drafter=None``: the target alone; every other default (drafter, adapter, policy and its options,
+        verifier) comes from the run. ``tree``: a tree shaper name (options: ``tree_options`` over the run's
+        ``--tree-*`` flags) for token-tree rounds."""
+        from kangaroo_core.engine import assemble
 
         config = config or self.config
         if exit_layer is not None:
             config = config.replace(exit_layer=exit_layer)
-        drafter = self.drafter if drafter is RUN_DEFAULT else drafter
-        adapter = self.adapter if adapter is RUN_DEFAULT else adapter
-        if policy is None:  # the run's policy with the run's options; another policy starts from its defaults
-            policy, policy_options = self.policy, self.policy_options if policy_options is None else policy_options
-        return Engine.build(config=config, backend=backend or self.backend_at(config.exit_layer), drafter=drafter,
-                            policy=policy, verifier=verifier or self.verifier, adapter=adapter,
-                            policy_options=policy_options or None,
-                            drafter_options=dict(self.drafter_options) if isinstance(drafter, str) else None,
+        spec = self.spec
+        if policy is not None:  # another policy starts from its own defaults
+            spec = spec.replace(policy=policy, policy_options=policy_options)
+        elif policy_options is not None:
+            spec = spec.replace(policy_options=policy_options)
+        spec = spec.replace(config=config, exit_layer=config.exit_layer, verifier=verifier or spec.verifier,
+                            drafter=spec.drafter if drafter is RUN_DEFAULT else drafter,
+                            adapter=spec.adapter if adapter is RUN_DEFAULT else adapter,
                             tree=tree, tree_options={**self.tree_options, **(tree_options or {})} if tree else None)
+        if not isinstance(spec.drafter, str):  # a drafter object (or none) takes no options by name
+            spec = spec.replace(drafter_options=None, adapter=None)
+        return assemble(spec, backend=backend or self.backend_at(config.exit_layer))
 
 
 def trim(tokens: Sequence[int], eos: frozenset[int], max_new_tokens: int) -> list[int]:

@@ -18,7 +18,6 @@ Glossary (shapes for one sequence, batch size 1):
 from __future__ import annotations
 
 import copy
-import inspect
 import time
 from collections.abc import Generator, Iterator, Sequence
 from typing import Any
@@ -26,57 +25,15 @@ from typing import Any
 import attrs
 import torch
 
-from kangaroo_core.config import DEFAULT_DRAFTER, ConfigError, DecodeConfig, SamplingConfig
+from kangaroo_core.assembly import EngineSpec, build_pieces, build_verifier, check_sampling
+from kangaroo_core.config import DEFAULT_DRAFTER, DEFAULT_EXIT_LAYER, ConfigError, DecodeConfig, SamplingConfig
 from kangaroo_core.errors import PromptError
 from kangaroo_core.interfaces import Backend, SelfDrafter, StoppingPolicy, TreeShaper, Verifier
-from kangaroo_core.plugins import get_registry
 from kangaroo_core.results import DraftStep, Emitted, GenerationResult, RoundResult, Verdict, cut_at_eos
 from kangaroo_core.sampling import draw, make_generator, target_probs
 from kangaroo_core.tree_round import tree_round
 
 Prompt = str | Sequence[dict[str, str]]
-
-
-def default_verifier(config: DecodeConfig) -> str:
-    """What ``verifier="auto"`` means: greedy at temperature 0, speculative sampling otherwise."""
-    return "greedy" if config.sampling.greedy else "speculative"
-
-
-def _resolve(kind: str, piece: Any, config: DecodeConfig, options: dict | None):
-    """A plugin given by name is looked up once, here, and built from the config; an object is used as is.
-
-    Bad options (an unknown key, a value of the wrong type) become one :class:`ConfigError` line naming the plugin
-    and its valid options, never a traceback."""
-    if not isinstance(piece, str):
-        return piece
-    factory = get_registry().resolve(kind, piece)
-    try:
-        return factory.create(config, **(options or {}))
-    except TypeError as exc:
-        if "argument" not in str(exc):  # a bug inside the plugin, not a bad option: keep its traceback
-            raise
-        raise ConfigError(f"{kind} '{piece}': {exc}; valid options: {option_names(factory)}") from None
-    except ValueError as exc:
-        if isinstance(exc, ConfigError):
-            raise ConfigError(f"{kind} '{piece}': {exc}") from None
-        raise ConfigError(f"{kind} '{piece}': bad option value ({exc}); valid options: {option_names(factory)}") from None
-
-
-def _check_verifier(verifier: Verifier, sampling: SamplingConfig) -> None:
-    """A verifier that is not lossless under sampling is refused at temperature > 0."""
-    if not sampling.greedy and not verifier.samples:
-        raise ConfigError(f"the {verifier.name or type(verifier).__name__} verifier is only lossless at temperature 0, "
-                          f"got temperature={sampling.temperature}; use the speculative verifier (or auto)")
-
-
-def option_names(factory: type) -> str:
-    """The keyword options a plugin class takes (its ``__init__`` parameters), for error messages."""
-    try:
-        parameters = inspect.signature(factory.__init__).parameters
-    except (TypeError, ValueError):
-        return "unknown"
-    names = [n for n, p in parameters.items() if n != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    return ", ".join(names) or "none"
 
 
 #: how a conversation is written for a model without a chat template (a base model such as Gemma 3 270M)
@@ -116,10 +73,18 @@ def encode_prompt(tokenizer, prompt: Prompt, *, chat: bool = True) -> list[int]:
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
+def assemble(spec: EngineSpec, *, backend: Backend | None = None) -> "Engine":
+    """The composition root: the engine ``spec`` describes, each piece built once (``backend``: a loaded backend to
+    reuse, e.g. the target alone next to Kangaroo on the same weights). See :mod:`kangaroo_core.assembly`."""
+    pieces = build_pieces(spec, backend)
+    return Engine(pieces.backend, pieces.drafter, pieces.policy, pieces.verifier, pieces.config, tree=pieces.tree,
+                  spec=spec)
+
+
 class Engine:
     """A Kangaroo decoder composed of a backend, a drafter, a stopping policy and a verifier.
 
-    Build it from plugin names with :meth:`build`, or from objects::
+    Build it from a description with :func:`assemble` (or :meth:`build`), or from objects::
 
         engine = Engine(backend, KangarooDrafter(), ThresholdPolicy(eta=0.6), GreedyVerifier(), DecodeConfig())
 
@@ -134,13 +99,16 @@ class Engine:
         verifier: Verifier,
         config: DecodeConfig = DecodeConfig(),
         tree: TreeShaper | None = None,
+        spec: EngineSpec | None = None,
     ):
         if backend.exit_layer != config.exit_layer:
             raise ConfigError(f"exit_layer: backend is split at layer {backend.exit_layer} but config.exit_layer={config.exit_layer}")
-        _check_verifier(verifier, config.sampling)
+        check_sampling(verifier, config.sampling)
         if drafter is not None and getattr(backend, "inexact_multi_position", None):
             raise ConfigError(f"drafting on this backend would not be lossless: {backend.inexact_multi_position}")
         self.backend, self.drafter, self.policy, self.verifier, self.config = backend, drafter, policy, verifier, config
+        #: the description this engine was assembled from (None for an engine made of objects by hand)
+        self.spec = spec
         self.tree = tree if drafter is not None else None
         if drafter is not None:
             drafter.bind(backend)
@@ -175,6 +143,7 @@ class Engine:
         policy: str | StoppingPolicy = "threshold",
         verifier: str | Verifier = "auto",
         adapter: str | None = None,
+        exit_layer: int | None = None,
         backend_options: dict | None = None,
         drafter_options: dict | None = None,
         policy_options: dict | None = None,
@@ -182,46 +151,36 @@ class Engine:
         tree: str | TreeShaper | None = None,
         tree_options: dict | None = None,
     ) -> "Engine":
-        """Resolve every piece (plugin name or object) once and load the model.
+        """:func:`assemble` an :class:`~kangaroo_core.assembly.EngineSpec` of these pieces (plugin names or objects).
 
-        ``verifier="auto"`` is greedy at temperature 0 and speculative sampling otherwise. ``tree`` (e.g.
-        ``"dynamic"``, options ``budget``, ``topk``, ``depth``) drafts a token tree per round instead of a chain.
+        ``exit_layer=None`` splits at ``config.exit_layer`` when it is set to other than the default, else at the
+        layer the drafter's adapter was trained at for this model (the default when it has none). ``verifier="auto"`` is greedy at temperature 0 and speculative
+        sampling otherwise. ``tree`` (e.g. ``"dynamic"``, options ``budget``, ``topk``, ``depth``) drafts a token tree
+        per round instead of a chain.
         """
-        auto = verifier == "auto"
-        if auto:
-            verifier = default_verifier(config)
-        if isinstance(drafter, str) and adapter is not None:
-            drafter_options = {**(drafter_options or {}), "adapter": adapter}
-        policy_obj = _resolve("policy", policy, config, policy_options)
-        verifier_obj = _resolve("verifier", verifier, config, verifier_options)
-        drafter_obj = _resolve("drafter", drafter, config, drafter_options) if drafter is not None else None
-        tree_obj = _resolve("tree", tree, config, tree_options) if tree is not None else None
-        backend_obj = _resolve("backend", backend, config, {"model": model, **(backend_options or {})})
-        engine = cls(backend_obj, drafter_obj, policy_obj, verifier_obj, config, tree=tree_obj)
-        if isinstance(verifier, str):  # by name: with_sampling builds it again for another sampling config
-            engine._verifier_spec = ("auto" if auto else verifier, verifier_options)
-        return engine
-
-    #: (name or "auto", options) when :meth:`build` resolved the verifier by name; None for a verifier object.
-    _verifier_spec: tuple[str, dict | None] | None = None
+        return assemble(EngineSpec(model=model, config=config, backend=backend, drafter=drafter, policy=policy,
+                                   verifier=verifier, adapter=adapter,
+                                   exit_layer=config.exit_layer if exit_layer is None and config.exit_layer != DEFAULT_EXIT_LAYER else exit_layer,
+                                   backend_options=backend_options, drafter_options=drafter_options,
+                                   policy_options=policy_options, verifier_options=verifier_options, tree=tree,
+                                   tree_options=tree_options))
 
     def with_sampling(self, sampling: SamplingConfig) -> "Engine":
         """This engine's loaded pieces (backend, drafter, policy: nothing is reloaded) decoding with ``sampling``.
 
-        For per-request sampling settings (``kangaroo serve``, ``model.generate``). A verifier built by name is
+        For per-request sampling settings (``kangaroo serve``, ``model.generate``). A verifier named in the spec is
         built again for ``sampling`` (it holds the target's processing), "auto" choosing greedy or speculative by
         the new temperature. The copy shares every cache with this engine: decode with one of them at a time.
         """
         config = self.config.replace(sampling=sampling)
         clone = copy.copy(self)
         clone.config = config
-        if self._verifier_spec is not None:
-            name, options = self._verifier_spec
-            clone.verifier = _resolve("verifier", default_verifier(config) if name == "auto" else name, config, options)
+        if self.spec is not None and isinstance(self.spec.verifier, str):
+            clone.verifier = build_verifier(self.spec, config)
         elif getattr(self.verifier, "sampling", sampling) != sampling:  # an object holding other processing
             raise ConfigError("this engine's verifier object was built for other sampling settings; build the engine "
                               "with the verifier by name to change sampling per generation")
-        _check_verifier(clone.verifier, sampling)
+        check_sampling(clone.verifier, sampling)
         return clone
 
     # -- prompts ---------------------------------------------------------------------------------------------------

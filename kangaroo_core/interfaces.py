@@ -72,6 +72,9 @@ class Backend(abc.ABC):
     name: str = ""
     #: What runs the graphs: ``"torch"`` (eager PyTorch) or ``"onnxruntime"``; drafters pick their runner by it.
     runtime: str = "torch"
+    #: Command-line flags for this backend's own options (:class:`kangaroo_core.flags.Flag`), added to every command
+    #: that builds an engine; any option can also be set with ``--backend-option KEY=VALUE``.
+    flags: tuple = ()
     #: None, or why this backend's multi-position passes do not compute what one-position passes would (e.g. per-pass
     #: activation quantization): the engine then refuses a drafter, since verification would not be lossless.
     inexact_multi_position: str | None = None

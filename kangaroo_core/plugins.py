@@ -8,6 +8,7 @@ name is strict (unknown names list the known ones, names registered twice name b
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 import traceback
 from typing import Any
 
@@ -15,6 +16,7 @@ import attrs
 import pluggy
 
 from kangaroo_core import hookspecs
+from kangaroo_core.config import ConfigError, DecodeConfig
 from kangaroo_core.errors import PluginError
 from kangaroo_core.interfaces import Backend, BenchMethod, SelfDrafter, StoppingPolicy, TreeShaper, Verifier
 
@@ -149,8 +151,63 @@ class Registry:
             raise PluginError(f"unknown {kind} '{name}'; known {kind} plugins: {known}")
         return entry.factory
 
+    def create(self, kind: str, name: str, config: DecodeConfig, options: dict | None = None) -> Any:
+        """The plugin ``name`` of ``kind``, built from ``config`` and its ``options``.
+
+        Options are checked against the plugin's ``create`` signature first: an unknown key, a wrong type or a bad
+        value becomes one :class:`ConfigError` line naming the plugin and its valid options, never a traceback."""
+        factory = self.resolve(kind, name)
+        options = dict(options or {})
+        self.check_options(kind, name, options)
+        try:
+            return factory.create(config, **options)
+        except TypeError as exc:
+            if "argument" not in str(exc):  # a bug inside the plugin, not a bad option: keep its traceback
+                raise
+            raise ConfigError(f"{kind} '{name}': {exc}; valid options: {valid_options(factory)}") from None
+        except ValueError as exc:
+            if isinstance(exc, ConfigError):
+                raise ConfigError(f"{kind} '{name}': {exc}") from None
+            raise ConfigError(f"{kind} '{name}': bad option value ({exc}); valid options: "
+                              f"{valid_options(factory)}") from None
+
+    def check_options(self, kind: str, name: str, options: dict) -> None:
+        """Refuse option names that ``name``'s ``create`` does not take (before anything is loaded)."""
+        factory = self.resolve(kind, name)
+        valid = option_names(factory)
+        unknown = sorted(set(options) - set(valid)) if valid is not None else []
+        if unknown:
+            raise ConfigError(f"{kind} '{name}': unknown option(s) {', '.join(unknown)}; valid options: "
+                              f"{valid_options(factory)}")
+
     def report(self) -> list[dict[str, Any]]:
         return [self.plugins[name].to_dict() for name in sorted(self.plugins)]
+
+
+def valid_options(factory: type) -> str:
+    """The options a plugin takes, for error messages."""
+    names = option_names(factory)
+    return "unknown" if names is None else ", ".join(names) or "none"
+
+
+def option_names(factory: type) -> list[str] | None:
+    """The keyword options a plugin class takes: its ``create`` parameters, or its ``__init__`` parameters when
+    ``create`` passes ``**options`` on (the base classes' default); None when they cannot be told."""
+    def named(function, skip: int) -> tuple[list[str], bool]:
+        parameters = list(inspect.signature(function).parameters.values())[skip:]
+        keywords = [p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        return keywords, any(p.kind is p.VAR_KEYWORD for p in parameters)
+
+    try:
+        names, open_ended = named(factory.create, 1)  # bound classmethod: (config, ...)
+        if open_ended and factory.__init__ is object.__init__:  # no options at all
+            open_ended = False
+        elif open_ended:
+            more, open_ended = named(factory.__init__, 1)
+            names = list(dict.fromkeys(names + more))
+    except (TypeError, ValueError):
+        return None
+    return None if open_ended else names
 
 
 _registry: Registry | None = None

@@ -208,7 +208,7 @@ def test_kangaroo_onnx_keeps_the_configured_policy(tiny_model_dir, tmp_path, mon
     monkeypatch.setenv("KANGAROO_CACHE_DIR", str(tmp_path))
     opts = EngineOptions(model=str(tiny_model_dir), adapter="untrained")
     backend = opts.backend()
-    context = BenchContext(backend, opts.config(), adapter="untrained")
+    context = BenchContext(backend, opts.spec())
     method = KangarooOnnx(policy="fixed")
     method.prepare(context)
     assert method.engine.backend.runtime == "onnxruntime" and method.engine.policy.name == "fixed"
@@ -224,7 +224,7 @@ def test_an_adapter_directory_named_default_is_used(tiny_model_dir, tmp_path, mo
     KangarooAdapter.from_base_layer(backend.base_model(), 2).save(tmp_path / "default", base_fingerprint=backend.fingerprint,
                                                                   exit_layer=2)
     monkeypatch.chdir(tmp_path)
-    context = BenchContext(backend, opts.config(), adapter=None)
+    context = BenchContext(backend, opts.spec())
     method = KangarooMethod(adapter="default")
     method.prepare(context)
     assert method.engine.drafter.resolved_adapter == "default"
@@ -354,10 +354,13 @@ def test_engine_options_resolve_plugins_before_loading_the_model(capsys):
 
 
 def test_policy_create_errors_keep_config_errors_readable():
-    from kangaroo_core.engine import _resolve
+    from kangaroo_core.plugins import get_registry
 
     with pytest.raises(ConfigError, match=r"policy 'threshold': eta must be in \[0, 1\], got 2"):
-        _resolve("policy", "threshold", DecodeConfig(), {"eta": 2})
+        get_registry().create("policy", "threshold", DecodeConfig(), {"eta": 2})
+    with pytest.raises(ConfigError, match=r"^backend 'torch': unknown option\(s\) kernel; valid options: model, dtype, "
+                                          r"kernels$"):
+        get_registry().create("backend", "torch", DecodeConfig(), {"kernel": "plain"})
 
 
 def test_onnx_backend_keeps_positions_and_returns_deep_states_like_torch(tmp_path):
@@ -390,9 +393,9 @@ def test_bench_context_forwards_drafter_options_and_the_hybrid_measures_only_gre
     from kangaroo_core.config import SamplingConfig
     from kangaroo_plugins.kangaroo.hybrid import HybridDrafter
 
-    opts = EngineOptions(model=str(tiny_model_dir))
-    context = BenchContext(opts.backend(), opts.config(), drafter="kangaroo-hybrid",
-                           drafter_options={"prior": 0.9, "adapter": "untrained"})
+    opts = EngineOptions(model=str(tiny_model_dir), drafter="kangaroo-hybrid",
+                         drafter_options=("prior=0.9", "adapter=untrained"))
+    context = BenchContext(opts.backend(), opts.spec())
     drafter = context.engine().drafter
     assert isinstance(drafter, HybridDrafter) and drafter.prior == 0.9 and drafter.measure
     sampled = DecodeConfig(sampling=SamplingConfig(temperature=0.7, sample_drafts=True))

@@ -25,6 +25,7 @@ from kangaroo_apps.testing import TINY_FAMILIES, TinyTokenizer, hf_greedy, tiny_
 from kangaroo_plugins.kangaroo.adapter import KangarooAdapter
 from kangaroo_plugins.kangaroo.deep_context import DeepContextAdapter
 from kangaroo_plugins.kangaroo.drafter import KangarooDrafter
+from kangaroo_plugins.kangaroo.networks import load_adapter
 
 HAS_ORT = importlib.util.find_spec("onnxruntime") is not None and importlib.util.find_spec("onnx") is not None
 needs_ort = pytest.mark.skipif(not HAS_ORT, reason="onnxruntime/onnx not installed (pip install '.[onnx]')")
@@ -142,14 +143,14 @@ def test_token_trees_stay_identical_across_windows(family, one_torch_thread):
 def test_adapters_round_trip_and_are_refused_for_another_family(family, tmp_path):
     m = model(family)
     path = save_adapter(tmp_path, m, "deep-context")
-    loaded = KangarooAdapter.load(path, m, base_fingerprint=model_fingerprint(m), exit_layer=2)
+    loaded = load_adapter(path, m, base_fingerprint=model_fingerprint(m), exit_layer=2)
     assert isinstance(loaded, DeepContextAdapter)
     assert type(loaded.attention).__name__.startswith(family_of(m.config).prefix)
     other = model("llama" if family != "llama" else "gemma3")
     with pytest.raises(AdapterMismatchError):
-        KangarooAdapter.load(path, other, base_fingerprint=model_fingerprint(other), exit_layer=2)
+        load_adapter(path, other, base_fingerprint=model_fingerprint(other), exit_layer=2)
     with pytest.raises(AdapterMismatchError, match="does not fit this model"):  # same fingerprint, other family
-        KangarooAdapter.load(path, other, base_fingerprint=model_fingerprint(m), exit_layer=2)
+        load_adapter(path, other, base_fingerprint=model_fingerprint(m), exit_layer=2)
 
 
 def test_a_gemma_adapter_at_a_sliding_layer_uses_that_layer_s_rope():
@@ -273,8 +274,8 @@ def test_without_an_exit_layer_the_adapter_s_own_layer_is_used(tmp_path, one_tor
     assert vanilla.backend.exit_layer == 2  # no drafter: the default split
     prompt = [5, 6, 7, 8]
     assert engine.generate_ids(prompt, 16).token_ids == vanilla.generate_ids(prompt, 16).token_ids
-    backend, config = EngineOptions(model=str(directory), adapter=adapter).settled()
-    assert backend.exit_layer == config.exit_layer == 3
+    assert EngineOptions(model=str(directory), adapter=adapter).backend().exit_layer == 3
+    assert EngineOptions(model=str(directory), adapter=adapter).backend(vanilla=True).exit_layer == 2
     with pytest.raises(AdapterMismatchError, match="exit layer 3, but exit layer 2"):
         EngineOptions(model=str(directory), adapter=adapter, exit_layer=2).engine().generate_ids(prompt, 4)
 

@@ -55,7 +55,7 @@ def test_greedy_equals_plain_generate(seed, max_new_tokens):
 def test_the_users_model_is_not_copied_and_the_engine_is_reused(tiny):
     before = {name: p.data_ptr() for name, p in tiny.named_parameters()}
     kangaroo(tiny, max_new_tokens=5)
-    from kangaroo_core import hf
+    from kangaroo_apps import hf
 
     engines = tiny.__dict__[hf.ENGINES_ATTR]
     backend = next(iter(engines.values())).backend
@@ -209,7 +209,7 @@ def test_real_model_generate_is_identical_and_uses_the_shipped_adapter():
     assert cut.shape[1] < reference.shape[1]
     assert model.generate(ids, max_new_tokens=48, do_sample=False, stopping_criteria=criteria(),
                           custom_generate=kangaroo_generate).tolist() == cut.tolist()
-    from kangaroo_core import hf
+    from kangaroo_apps import hf
 
     engine = next(iter(model.__dict__[hf.ENGINES_ATTR].values()))
     assert engine.drafter.resolved_adapter is not None  # the shipped SmolLM2 adapter, found by fingerprint

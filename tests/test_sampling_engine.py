@@ -9,7 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kangaroo_core.config import ConfigError, DecodeConfig, SamplingConfig
-from kangaroo_core.engine import Engine, default_verifier
+from kangaroo_core.assembly import EngineSpec, verifier_name
+from kangaroo_core.engine import Engine
 from kangaroo_plugins.greedy_verifier import GreedyVerifier
 from kangaroo_plugins.kangaroo.drafter import KangarooDrafter
 from kangaroo_plugins.speculative_verifier import SpeculativeVerifier
@@ -110,5 +111,5 @@ def test_greedy_verifier_is_refused_under_sampling():
     config = DecodeConfig(exit_layer=1, sampling=SamplingConfig(temperature=0.7))
     with pytest.raises(ConfigError, match="greedy verifier is only lossless at temperature 0"):
         Engine(backend, None, ThresholdPolicy(), GreedyVerifier(), config)
-    assert default_verifier(config) == "speculative" and default_verifier(DecodeConfig()) == "greedy"
+    assert verifier_name(EngineSpec(), config) == "speculative" and verifier_name(EngineSpec(), DecodeConfig()) == "greedy"
     Engine(backend, None, ThresholdPolicy(), GreedyVerifier(), config.replace(sampling=SamplingConfig()))

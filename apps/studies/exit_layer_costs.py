@@ -28,7 +28,7 @@ def main(adapters, model, threads, repeats, context, out_file) -> None:
     from kangaroo_apps.cli_options import EngineOptions
     from kangaroo_plugins.kangaroo.drafter import KangarooDrafter, adapter_exit_layer
 
-    backend = EngineOptions(model=model, threads=threads).backend()
+    backend = EngineOptions(model=model, threads=threads).backend(vanilla=True)
     rows = []
     for path in adapters:
         layer = adapter_exit_layer(path)
