@@ -3,7 +3,8 @@ PY ?= python3
 PIP = $(PY) -m pip
 # The tutorials' plugin packages: installed into the test environment, exercised by the tests.
 EXAMPLES = docs/examples/kangaroo-entropy-policy docs/examples/kangaroo-prompt-lookup
-PROMPT ?= Explain in three sentences why the sky is blue.
+# `make demo PROMPT="..."` asks your prompt instead of one dev question of each kind
+PROMPT ?=
 # `make demo MODEL=gemma3-270m` for the second real model (default: SmolLM2-135M-Instruct)
 MODEL ?=
 
@@ -18,7 +19,7 @@ install:
 	$(PIP) install -q --no-deps $(foreach pkg,$(EXAMPLES),-e $(pkg))
 
 demo: install
-	$(PY) -m kangaroo_apps.cli generate --compare --repeats 3 --max-new-tokens 96 $(if $(MODEL),--model $(MODEL)) "$(PROMPT)"
+	$(PY) -m kangaroo_apps.cli demo --max-new-tokens 64 $(if $(MODEL),--model $(MODEL)) $(if $(PROMPT),--prompt "$(PROMPT)")
 
 # The live page's test drives Debian's Chromium (never a browser download); installed here when missing.
 browser:

@@ -315,6 +315,27 @@ def bench(questions_file, out_dir, methods, limit_per_subtask, repeats, no_warmu
     click.echo(f"wrote {', '.join(str(f) for f in files)}")
 
 
+@cli.command(cls=EngineCommand)
+@click.option("--questions", "questions_file", default=DEFAULT_QUESTIONS, show_default=True,
+              help="Spec-Bench-format questions: the first of each kind is asked (first turn).")
+@click.option("--prompt", default=None, help="Ask this instead of the dev questions.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@engine_options
+def demo(questions_file, prompt, no_progress, opts: EngineOptions) -> None:
+    """Kangaroo next to transformers' greedy generate and the same engine's target alone, on one question of
+    each kind: tokens/s, speedups, CR and the identity check, in about a minute."""
+    from kangaroo_apps.demo import demo_questions, demo_table, run_demo
+
+    if prompt is not None:
+        check_text(prompt, "the prompt")
+        if not prompt.strip():
+            raise KangarooError("the prompt is empty")
+    summary = run_demo(opts, demo_questions(questions_file, prompt), progress=not no_progress)
+    _eprint(f"kangaroo demo: {summary['model']}, {opts.max_new_tokens} new tokens per answer, greedy unless "
+            "--temperature; speedups are tokens/s ratios measured side by side in this run")
+    click.echo(demo_table(summary))
+
+
 @cli.command("train-adapter")
 @click.option("--out", "out_dir", required=True, help="Output adapter directory (+ training_report.json, training_curves.png).")
 @model_options

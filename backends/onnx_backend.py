@@ -1,8 +1,9 @@
 """ONNX Runtime backend: the split target (shallow.onnx, deep.onnx, head.onnx) on InferenceSessions.
 
-The graphs come from :mod:`kangaroo_backends.onnx_export`; without a ``bundle`` option they are exported on first use
-into ``cache_dir()/onnx/v<format>.<graph revision>/<fingerprint>-l<exit layer>`` (once; atomically, so a failed
-export leaves nothing behind). Drafters that run their own network here export it themselves into
+The graphs come from :mod:`kangaroo_backends.onnx_export` (the bundle's format: :mod:`kangaroo_backends.onnx_bundle`);
+without a ``bundle`` option they are exported on first use into
+``cache_dir()/onnx/v<format>.<graph revision>/<fingerprint>-l<exit layer>`` (once; atomically, so a failed export
+leaves nothing behind). Drafters that run their own network here export it themselves into
 :meth:`OnnxBackend.artifact_dir` and run it with :meth:`OnnxBackend.open_graph` (same provider, threads and in-place KV
 buffers as the backend's graphs).
 
@@ -23,23 +24,27 @@ onnxruntime is imported lazily: the rest of kangaroo works without it, and this 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 import torch
 
 from kangaroo_backends.loading import cache_dir, gguf_source, load_model
 from kangaroo_backends.families import SLIDING, sliding_window
-from kangaroo_backends.gguf_nbits import EXACT_LAYOUTS
-from kangaroo_backends.onnx_export import (BIAS_INPUTS, EXPORT_KEY, FORMAT, FORMAT_VERSION, GRAPHS, MANIFEST, WEIGHTS,
-                                           attention_bias, export_onnx, graph_io, import_onnxruntime)
+from kangaroo_backends.onnx_bundle import (BIAS_INPUTS, EXPORT_KEY, GRAPHS, MANIFEST, WEIGHTS, export_weights,
+                                           graph_file, graph_io, read_manifest, rows_exact)
+from kangaroo_backends.onnx_export import export_onnx
+from kangaroo_backends.onnx_toolkit import attention_bias, import_onnxruntime
 from kangaroo_backends.torch_eager import check_start, describe_split_model
 from kangaroo_core.config import ConfigError, DecodeConfig
 from kangaroo_core.errors import OnnxModelError, ProviderError
 from kangaroo_core.files import read_json
+from kangaroo_core.flags import Flag
 from kangaroo_core.hookspecs import hookimpl
 from kangaroo_core.interfaces import Backend, DeepOutput
 
@@ -74,68 +79,74 @@ def resolve_provider(ort, provider: str) -> str:
     return name
 
 
-#: manifest key -> type every manifest must have (checked before anything is read from it)
-MANIFEST_TYPES = {"base_model_fingerprint": str, "exit_layer": int, "num_layers": int, "hidden_size": int,
-                  "vocab_size": int, "num_key_value_heads": int, "head_dim": int, "max_position_embeddings": int,
-                  "graphs": dict}
+def _one_of(choices: tuple[str, ...]):
+    def check(_inst, attribute, value) -> None:
+        if value not in choices:
+            raise ConfigError(f"{attribute.name} must be one of {', '.join(choices)}, got {value!r}")
+    return check
 
 
-def graph_file(directory: Path, manifest: dict, name: str, manifest_path: Path, key: str = "file",
-               optional: bool = False) -> Path | None:
-    """The file of graph ``name`` named by the manifest (``key``: ``file``, or ``prefill_file`` — a 4-bit export's
-    prefill graph, ``None`` when absent and ``optional``), which must stay inside the export's directory."""
-    entry = manifest["graphs"].get(name)
-    if optional and isinstance(entry, dict) and key not in entry:
-        return None
-    if not isinstance(entry, dict) or not isinstance(entry.get(key), str):
-        raise OnnxModelError(f"{manifest_path} lists no {name} graph")
-    path = (directory / entry[key]).resolve()
-    if path.parent != directory.resolve():
-        raise OnnxModelError(f"{manifest_path}: the {name} graph's file {entry[key]!r} is outside {directory}")
-    if not path.is_file() and optional:
-        raise OnnxModelError(f"{manifest_path}: the {name} graph's file {entry[key]!r} is missing; re-export")
-    return path
+def _integer(value):
+    """An integer given as a whole float or a numeral (``--backend-option threads=2.0``) as an int; anything else as it
+    is, for the validator to name."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    return value
 
 
-def read_manifest(directory: Path, *, fingerprint: str, exit_layer: int) -> dict:
-    """The export's manifest, checked (keys, types, graph files) against the loaded model and exit layer."""
-    path = Path(directory) / MANIFEST
-    if not path.is_file():
-        raise OnnxModelError(f"{directory} is not a kangaroo ONNX export (no {MANIFEST}); export one with `kangaroo export-onnx`")
-    manifest = read_json(path, OnnxModelError)
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
-        version = manifest.get("format_version") if isinstance(manifest, dict) else None
-        raise OnnxModelError(f"{path}: not a {FORMAT} v{FORMAT_VERSION} manifest (format version {version!r}); "
-                             f"re-export with `kangaroo export-onnx`")
-    for key, kind in MANIFEST_TYPES.items():
-        if not isinstance(manifest.get(key), kind) or isinstance(manifest.get(key), bool):
-            raise OnnxModelError(f"{path}: '{key}' is missing or not a {kind.__name__}")
-    if manifest["base_model_fingerprint"] != fingerprint:
-        raise OnnxModelError(
-            f"ONNX export {directory} was made for base model {manifest['base_model_fingerprint']}, "
-            f"not for the loaded model {fingerprint}"
-        )
-    if manifest["exit_layer"] != exit_layer:
-        raise OnnxModelError(f"ONNX export {directory} is split at exit layer {manifest['exit_layer']}, but exit layer {exit_layer} was requested")
-    for name in GRAPHS:
-        graph_file(Path(directory), manifest, name, path)
-    return manifest
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
-def export_weights(manifest: dict) -> tuple[str, int]:
-    """``("float32", 0)`` or ``("gguf", accuracy level)`` for an export's manifest (older exports: float32)."""
-    weights = manifest.get("weights", "float32")
-    if isinstance(weights, dict):
-        return "gguf", int(weights.get("accuracy_level", 0))
-    return "float32", 0
+def _threads(_inst, attribute, value) -> None:
+    if value is not None and not (_is_int(value) and value >= 1):
+        raise ConfigError(f"threads must be an integer >= 1 (or None: onnxruntime's choice), got {value!r}")
 
 
-def rows_exact(manifest: dict) -> bool:
-    """Whether a pass over n positions reproduces n one-position passes bit for bit: float32 MatMuls always do
-    (measured, every n); 4-bit ones when exported row by row (graph revision 3 on) or, at int8 activations, with
-    rows at once (revision 4 on: that kernel computes each row alone)."""
-    weights = manifest.get("weights", "float32")
-    return not isinstance(weights, dict) or weights.get("rows") in EXACT_LAYOUTS
+def _accuracy_level(inst, attribute, value) -> None:
+    if inst.weights == "float32" and value is not None:
+        raise ConfigError("accuracy_level applies to weights=gguf only")
+    if value is not None and not (_is_int(value) and 0 <= value <= 4):
+        raise ConfigError(f"accuracy_level must be an integer 0..4, got {value!r}")
+
+
+def _path(value):
+    return Path(value).expanduser() if isinstance(value, (str, os.PathLike)) else value
+
+
+def _bundle(_inst, attribute, value) -> None:
+    if value is not None and not isinstance(value, Path):
+        raise ConfigError(f"bundle must be a directory (a path) or None, got {value!r}")
+
+
+@attrs.frozen
+class OnnxOptions:
+    """The onnx backend's options, validated once, when made: a bad value is one :class:`ConfigError` line naming
+    the option. A backend keeps its options (:meth:`OnnxBackend.resplit` reuses them)."""
+
+    #: ``auto``: CUDA when onnxruntime-gpu sees a GPU, else CPU (:func:`resolve_provider`)
+    provider: str = attrs.field(default="auto", validator=_one_of(("auto", *PROVIDERS)))
+    #: a directory from ``kangaroo export-onnx``; None: the export cache (exported on first use)
+    bundle: Path | None = attrs.field(default=None, converter=_path, validator=_bundle)
+    #: intra-op threads per session; None: onnxruntime's choice
+    threads: int | None = attrs.field(default=None, converter=_integer, validator=_threads)
+    #: ``float32``, or ``gguf``: the GGUF file's own blocks (MatMulNBits)
+    weights: str = attrs.field(default="float32", validator=_one_of(WEIGHTS))
+    #: MatMulNBits' accuracy level for ``gguf`` weights (0..4; None: 1, float32 activations)
+    accuracy_level: int | None = attrs.field(default=None, converter=_integer, validator=_accuracy_level)
+    #: whose threads busy-wait between the ops of a run (:data:`SPINNING`)
+    spinning: str = attrs.field(default="none", validator=_one_of(SPINNING))
+    #: how the attention over the KV cache runs on CPU (:data:`ATTENTION`)
+    attention: str = attrs.field(default="auto", validator=_one_of(ATTENTION))
+
+    @property
+    def level(self) -> int:
+        """The accuracy level asked for: 0 for float32 weights, 1 (float32 activations) by default for gguf ones."""
+        if self.weights == "float32":
+            return 0
+        return 1 if self.accuracy_level is None else self.accuracy_level
 
 
 def _file_opset(path: Path, manifest: dict):
@@ -292,39 +303,54 @@ class GraphRunner:
 class OnnxBackend(Backend):
     """The target model on onnxruntime (CPUExecutionProvider, or CUDAExecutionProvider with onnxruntime-gpu).
 
-    Options: ``provider`` (auto | cpu | cuda), ``bundle`` (a directory from ``kangaroo export-onnx``; default: the
-    export cache), ``threads`` (intra-op threads per session; default: onnxruntime's choice), ``spinning``
-    (:data:`SPINNING`: whose threads busy-wait between the ops of a run; default ``none``; ``deep`` speeds up the
-    4-bit int8 target alone at 2+ threads, not drafting).
+    Options (:class:`OnnxOptions`, validated once and kept in :attr:`options`): ``provider`` (auto | cpu | cuda),
+    ``bundle`` (a directory from ``kangaroo export-onnx``; default: the export cache), ``threads`` (intra-op threads
+    per session; default: onnxruntime's choice), ``weights`` / ``accuracy_level``, ``spinning`` (:data:`SPINNING`:
+    whose threads busy-wait between the ops of a run; default ``none``; ``deep`` speeds up the 4-bit int8 target alone
+    at 2+ threads, not drafting), ``attention`` (:data:`ATTENTION`).
     """
 
     name = "onnx"
     runtime = "onnxruntime"
     supports_trees = True
+    flags = (
+        Flag("--provider", "provider", choices=("auto", *PROVIDERS),
+             help="onnxruntime execution provider (default auto: CUDA when available, else CPU)."),
+        Flag("--onnx-dir", "bundle", metavar="DIR",
+             help="A directory from `kangaroo export-onnx` (default: export once into the cache)."),
+        Flag("--onnx-weights", "weights", choices=WEIGHTS,
+             help="float32 (default); gguf runs every linear layer as MatMulNBits over the GGUF file's own 4/8-bit "
+                  "blocks (the weights transformers dequantizes from the file; float32 activations)."),
+        Flag("--onnx-accuracy-level", "accuracy_level", type=int, choices=None, metavar="0-4",
+             help="With --onnx-weights gguf: MatMulNBits accuracy level. 1 (default) float32 activations; 4 int8 "
+                  "activations (faster; lossy vs transformers, still lossless vs this backend's target alone)."),
+        Flag("--onnx-spinning", "spinning", choices=SPINNING,
+             help="2+ threads: whose threads busy-wait between ops during a run (default none). deep speeds up the "
+                  "4-bit int8 target alone (~+20%) but slows drafting (~-7%): for decoding without a drafter."),
+        Flag("--onnx-attention", "attention", choices=ATTENTION,
+             help="On CPU: auto (default) runs each layer's attention as kangaroo's op reading the KV cache in place "
+                  "(built once with the C compiler; graphs exported since revision 6), else as exported; in_place: "
+                  "the op, refusing to fall back; exported: the graphs' own ONNX attention."),
+    )
 
-    def __init__(self, model, tokenizer, exit_layer: int, model_name: str = "model", *, provider: str = "auto",
-                 bundle: str | Path | None = None, threads: int | None = None, quiet: bool = False,
-                 weights: str = "float32", accuracy_level: int | None = None, gguf_path: str | Path | None = None,
-                 spinning: str = "none", attention: str = "auto"):
+    def __init__(self, model, tokenizer, exit_layer: int, model_name: str = "model", *,
+                 options: OnnxOptions | None = None, quiet: bool = False, gguf_path: str | Path | None = None,
+                 **fields: Any):
+        """``options``, or its fields as keywords (``provider=``, ``bundle=``, ...: :class:`OnnxOptions`);
+        ``gguf_path``: the GGUF file of ``model`` (default: the file it was loaded from) for ``weights="gguf"``."""
+        if options is None:
+            options = OnnxOptions(**fields)
+        elif fields:
+            raise TypeError(f"OnnxBackend takes options= or its fields as keywords, not both (got {', '.join(fields)})")
         self.ort = import_onnxruntime()
-        if attention not in ATTENTION:
-            raise ConfigError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
-        self.attention = attention
-        if spinning not in SPINNING:
-            raise ConfigError(f"spinning must be one of {', '.join(SPINNING)}, got {spinning!r}")
-        self.spinning = spinning
-        if weights not in WEIGHTS:
-            raise ConfigError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
-        if weights == "float32" and accuracy_level is not None:
-            raise ConfigError("accuracy_level applies to weights=gguf only")
-        accuracy_level = 0 if weights == "float32" else (1 if accuracy_level is None else accuracy_level)
-        if not isinstance(accuracy_level, int) or not 0 <= accuracy_level <= 4:
-            raise ConfigError(f"accuracy_level must be an integer 0..4, got {accuracy_level!r}")
-        self.weights, self.accuracy_level = weights, accuracy_level
+        self.options = options
+        bundle, weights = options.bundle, options.weights
+        self.attention, self.spinning = options.attention, options.spinning
+        self.weights, self.accuracy_level = weights, options.level
         self.rows_exact = True  # what this code exports; a bundle says otherwise below
-        if bundle is not None and (Path(bundle).expanduser() / MANIFEST).is_file():  # a bundle says what it holds
+        if bundle is not None and (bundle / MANIFEST).is_file():  # a bundle says what it holds
             try:
-                manifest = read_json(Path(bundle).expanduser() / MANIFEST, OnnxModelError)
+                manifest = read_json(bundle / MANIFEST, OnnxModelError)
                 self.weights, self.accuracy_level = export_weights(manifest)
                 self.rows_exact = rows_exact(manifest)
             except (OnnxModelError, AttributeError, TypeError, ValueError):
@@ -337,10 +363,10 @@ class OnnxBackend(Backend):
                                   "default SmolLM2 GGUF)")
         # self.model is kept for exporting and for drafters that build their weights from it; it never runs per token
         describe_split_model(self, model, tokenizer, exit_layer, model_name)
-        self.provider = resolve_provider(self.ort, provider)
+        self.provider = resolve_provider(self.ort, options.provider)
         self.device = torch.device("cuda", 0) if self.provider == PROVIDERS["cuda"] else torch.device("cpu")
-        self.bundle = Path(bundle).expanduser() if bundle is not None else None
-        self.threads = threads
+        self.bundle = bundle
+        self.threads = options.threads
         self.quiet = quiet
         self.manifest: dict | None = None
         self.shallow_runner = self.deep_runner = self.head_runner = None
@@ -349,21 +375,14 @@ class OnnxBackend(Backend):
     @classmethod
     def create(cls, config: DecodeConfig, model: Any = None, dtype: str = "float32", provider: str = "auto",
                bundle: str | None = None, threads: int | None = None, weights: str = "float32",
-               accuracy_level: int | None = None, spinning: str = "none", attention: str = "auto",
-               **options: Any) -> "OnnxBackend":
-        if options:
-            raise ConfigError(f"unknown onnx backend option(s): {', '.join(sorted(options))}; valid options: model, "
-                              f"provider, bundle, threads, weights, accuracy_level, spinning, attention")
-        if weights not in WEIGHTS:
-            raise ConfigError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+               accuracy_level: int | None = None, spinning: str = "none", attention: str = "auto") -> "OnnxBackend":
+        options = OnnxOptions(provider=provider, bundle=bundle, threads=threads, weights=weights,
+                              accuracy_level=accuracy_level, spinning=spinning, attention=attention)
         if dtype != "float32":
             raise ConfigError(f"the onnx backend runs float32 graphs only, got dtype {dtype!r}")
         import_onnxruntime()  # the install hint before a model load
         loaded, tokenizer, name = load_model(model, dtype=torch.float32)
-        return cls(loaded, tokenizer, config.exit_layer, name, provider=provider, bundle=bundle,
-                   threads=None if threads is None else int(threads), weights=weights,
-                   accuracy_level=None if accuracy_level is None else int(accuracy_level), spinning=spinning,
-                   attention=attention)
+        return cls(loaded, tokenizer, config.exit_layer, name, options=options)
 
     def base_model(self):
         return self.model
@@ -381,7 +400,6 @@ class OnnxBackend(Backend):
                 "(kangaroo export-onnx --weights gguf) to draft")
 
     def resplit(self, exit_layer: int) -> "OnnxBackend":
-        provider = {name: key for key, name in PROVIDERS.items()}[self.provider]
         if self.bundle is not None:
             try:
                 exported = json.loads((Path(self.bundle) / MANIFEST).read_text()).get("exit_layer")
@@ -390,13 +408,8 @@ class OnnxBackend(Backend):
             if exported != exit_layer:
                 raise ConfigError(f"the onnx export {self.bundle} is split at exit layer {exported}; it cannot be "
                                   f"re-split at {exit_layer}")
-            return type(self)(self.model, self.tokenizer, exit_layer, self.model_name, provider=provider,
-                              bundle=self.bundle, threads=self.threads, quiet=self.quiet, spinning=self.spinning,
-                              attention=self.attention)
-        return type(self)(self.model, self.tokenizer, exit_layer, self.model_name, provider=provider,
-                          threads=self.threads, quiet=self.quiet, weights=self.weights,
-                          accuracy_level=self.accuracy_level if self.weights == "gguf" else None,
-                          gguf_path=self.gguf_path, spinning=self.spinning, attention=self.attention)
+        return type(self)(self.model, self.tokenizer, exit_layer, self.model_name, options=self.options,
+                          quiet=self.quiet, gguf_path=self.gguf_path)
 
     # -- export / sessions -----------------------------------------------------------------------------------------
     def export_dir(self) -> Path:
@@ -474,7 +487,8 @@ class OnnxBackend(Backend):
         """Run an ONNX graph of the backend's KV layout (see :class:`GraphRunner`); checks its input/output names.
         ``plain_path``: a graph with the same inputs and outputs for the calls with nothing cached yet and, with
         ``plain_one_row``, the one-row calls (a 4-bit export's prefill graph: see
-        :func:`~kangaroo_backends.gguf_nbits.row_by_row` and ``onnx_export.PREFILL_ACCURACY_LEVEL``).
+        :func:`~kangaroo_backends.gguf_nbits.row_by_row` and
+        :data:`~kangaroo_backends.onnx_export.PREFILL_ACCURACY_LEVEL`).
         ``spin``: its threads busy-wait between ops (the backend's deep graph; see :data:`SPINNING`)."""
         # the op pays only where a cache is read: a prefill graph that runs the prompt alone (nothing cached) keeps the
         # exported attention, whose matrix products beat the op's row-by-row kernel on hundreds of rows (773 rows, 1

@@ -1,6 +1,6 @@
 """Attention that reads the KV cache where it lies, for the onnx backend on CPU: an onnxruntime custom op
 (``kangaroo.CachedAttention``, ``ort_cached_attention.c``) that replaces each layer's attention nodes (the scope of its
-:class:`~kangaroo_backends.onnx_export.AttentionCore`).
+:class:`~kangaroo_backends.onnx_toolkit.AttentionCore`).
 
 Why: the exported graphs are standard ONNX, so each layer's attention concatenates the cached keys/values with the
 new ones and transposes them (copies of the whole cache, every layer, every pass). Measured with onnxruntime's
@@ -14,7 +14,7 @@ not sit right after the past ones, e.g. a plain ``session.run``, it copies them 
 The arithmetic is ``small_batch_attention.c``'s: every row computed alone, in a fixed order, so a verify pass gives
 each row the bits the one-row pass gives it (what makes Kangaroo on this backend equal to its target alone).
 
-The export marks the attention: :class:`~kangaroo_backends.onnx_export.AttentionCore` is a module of its own, so its
+The export marks the attention: :class:`~kangaroo_backends.onnx_toolkit.AttentionCore` is a module of its own, so its
 nodes share one scope (``/attns.<i>/core/...``), and the graph's metadata ``kangaroo.attention_core`` lists the
 scopes with the heads, KV heads, head size and scale. The graph itself stays standard ONNX, the operations of
 revision 5; :func:`swap_attention` replaces each scope's nodes by the custom op when a CPU session is created (the
@@ -35,6 +35,7 @@ from pathlib import Path
 
 from kangaroo_backends import native
 from kangaroo_backends.native import build_packaged
+from kangaroo_backends.onnx_bundle import BIAS_INPUTS
 
 #: metadata key of an exported graph that marks its attention cores (:func:`mark_attention`)
 METADATA_KEY = "kangaroo.attention_core"
@@ -88,8 +89,6 @@ def swap_attention(proto) -> int:
     ``new_key.i`` / ``new_value.i`` graph outputs, the bias a bias input (or its per-group tiling: the op reads the
     untiled one), the query the remaining one; constants (initializers) are the core's own."""
     from onnx import helper
-
-    from kangaroo_backends.onnx_export import BIAS_INPUTS
 
     spec = {p.key: p.value for p in proto.metadata_props}.get(METADATA_KEY)
     if spec is None:

@@ -87,7 +87,7 @@ class ORTVanilla(HFGenerate):
 
     def load_model(self, context: BenchContext) -> Any:
         from kangaroo_backends.onnx_backend import resolve_provider
-        from kangaroo_backends.onnx_export import import_onnxruntime
+        from kangaroo_backends.onnx_toolkit import import_onnxruntime
 
         ort = import_onnxruntime()
         ort_model_cls = import_ort_model()

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kangaroo_backends.onnx_export import EXPORT_KEY, FORMAT_VERSION
+from kangaroo_backends.onnx_bundle import EXPORT_KEY, FORMAT_VERSION
 from kangaroo_core import plugins
 from kangaroo_core.bench_context import BenchMethod, MethodResult
 from kangaroo_apps.bench.harness import METRIC_KEYS, metrics, rotate

@@ -19,6 +19,7 @@ from kangaroo_plugins.greedy_verifier import GreedyVerifier
 from kangaroo_plugins.kangaroo.adapter import KangarooAdapter
 from kangaroo_plugins.kangaroo.deep_context import DeepContextAdapter
 from kangaroo_plugins.kangaroo.drafter import KangarooDrafter
+from kangaroo_plugins.kangaroo.networks import load_adapter
 from kangaroo_policies.threshold import ThresholdPolicy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -186,12 +187,12 @@ def test_mismatched_deep_context_files_are_refused_in_one_line(tmp_path):
     backend = tiny_backend(m, exit_layer=1)
     directory = tmp_path / "a"
     saved(random_adapter(m, 1, 0), backend, tmp_path)
-    loaded = KangarooAdapter.load(directory, m, base_fingerprint=backend.fingerprint, exit_layer=1)
+    loaded = load_adapter(directory, m, base_fingerprint=backend.fingerprint, exit_layer=1)
     assert isinstance(loaded, DeepContextAdapter) and loaded.reads_deep_states
 
     def refused(match):
         with pytest.raises(AdapterMismatchError, match=match) as info:
-            KangarooAdapter.load(directory, m, base_fingerprint=backend.fingerprint, exit_layer=1)
+            load_adapter(directory, m, base_fingerprint=backend.fingerprint, exit_layer=1)
         assert "\n" not in str(info.value)
 
     state = load_file(directory / "adapter.safetensors")
@@ -205,10 +206,10 @@ def test_mismatched_deep_context_files_are_refused_in_one_line(tmp_path):
     refused("unexpected")  # deep-context weights under a paper adapter.json
     (directory / "adapter.json").write_text(json.dumps(meta))
     with pytest.raises(AdapterMismatchError, match="exit layer"):
-        KangarooAdapter.load(directory, m, base_fingerprint=backend.fingerprint, exit_layer=2)
+        load_adapter(directory, m, base_fingerprint=backend.fingerprint, exit_layer=2)
     other = tiny_backend(model(3), exit_layer=1)
     with pytest.raises(AdapterMismatchError, match="made for base model"):
-        KangarooAdapter.load(directory, other.model, base_fingerprint=other.fingerprint, exit_layer=1)
+        load_adapter(directory, other.model, base_fingerprint=other.fingerprint, exit_layer=1)
 
 
 def test_a_draft_head_needs_a_draft_vocabulary():

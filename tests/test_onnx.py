@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from kangaroo_backends.onnx_export import EXPORT_KEY, FORMAT_VERSION
+from kangaroo_backends.onnx_bundle import EXPORT_KEY, FORMAT_VERSION
 from kangaroo_apps.cli import main
 from kangaroo_core.config import ConfigError, DecodeConfig
 from kangaroo_core.engine import Engine
@@ -127,7 +127,7 @@ def test_the_graphs_are_lean_no_shape_arithmetic_and_no_repeated_keys(bundles):
     the cache is marked (its nodes' scope and its shapes in the graph's metadata) for the in-place op."""
     import onnx
 
-    from kangaroo_backends.onnx_export import GRAPH_REVISION
+    from kangaroo_backends.onnx_bundle import GRAPH_REVISION
 
     directory = bundles(1, 1)
     assert json.loads((directory / "manifest.json").read_text())["graph_revision"] == GRAPH_REVISION == 6
@@ -144,14 +144,14 @@ def test_the_graphs_are_lean_no_shape_arithmetic_and_no_repeated_keys(bundles):
 
 
 def test_rotate_half_as_a_matrix_is_exact():
-    from kangaroo_backends.onnx_export import _rope, rotate_half_matrix
+    from kangaroo_backends.onnx_toolkit import rope, rotate_half_matrix
 
     torch.manual_seed(0)
     for head_dim in (8, 64, 256):
         x, cos, sin = torch.randn(2, 5, 3, head_dim), torch.randn(5, 1, head_dim), torch.randn(5, 1, head_dim)
         rotated = x @ rotate_half_matrix(head_dim)
         assert torch.equal(rotated, torch.cat((-x[..., head_dim // 2:], x[..., : head_dim // 2]), dim=-1))
-        assert torch.equal(x * cos + rotated * sin, _rope(x, cos, sin))
+        assert torch.equal(x * cos + rotated * sin, rope(x, cos, sin))
 
 
 @needs_ort
@@ -173,7 +173,7 @@ def test_exported_adapter_alone_gives_the_drafter_logits(tmp_path):
     hidden = torch.randn(6, m.config.hidden_size)
     with torch.inference_mode():
         expected = m.lm_head(adapter(hidden[None], 0)[0, -1])
-    from kangaroo_backends.onnx_export import attention_bias
+    from kangaroo_backends.onnx_toolkit import attention_bias
 
     past = torch.zeros(1, 0, 2, 8).numpy()
     step1 = session.run(None, {"hidden": hidden[None, :4].numpy(), "position_ids": torch.arange(4)[None].numpy(),
@@ -200,7 +200,7 @@ def test_export_refused_beyond_tolerance_leaves_nothing(tmp_path, one_torch_thre
 def _deep_feed(rng, past: int, n: int, layers: int, tree=None):
     import numpy as np
 
-    from kangaroo_backends.onnx_export import attention_bias
+    from kangaroo_backends.onnx_toolkit import attention_bias
 
     feed = {"hidden": rng.standard_normal((1, n, 32)).astype(np.float32),
             "position_ids": np.arange(past, past + n)[None] if tree is None else tree.position_ids()[None].numpy(),
@@ -221,7 +221,7 @@ def test_the_attention_op_computes_the_exported_attention(bundles):
     import onnxruntime as ort
 
     from kangaroo_backends import ort_attention
-    from kangaroo_backends.onnx_export import validation_tree
+    from kangaroo_backends.onnx_toolkit import validation_tree
 
     library = attention_op()
     path = bundles(2, 1) / "deep.onnx"
@@ -301,12 +301,14 @@ def test_attention_option_falls_back_or_refuses_in_one_line(bundles, tmp_path, m
         ort_attention.library.cache_clear()
 
 
-def test_cli_attention_choices_are_the_backends():
-    from kangaroo_backends.onnx_backend import ATTENTION
-    from kangaroo_apps.cli_options import _SHARED
+def test_the_cli_takes_the_onnx_flags_from_the_backend():
+    """The onnx flags are the backend's own (OnnxBackend.flags): the command line lists their choices as it does."""
+    from kangaroo_apps.cli_options import backend_flag_params
+    from kangaroo_backends.onnx_backend import ATTENTION, SPINNING, WEIGHTS
 
-    option = next(o for o in (d(lambda: None).__click_params__[0] for d in _SHARED) if o.name == "onnx_attention")
-    assert tuple(option.type.choices) == ATTENTION
+    choices = {o.opts[0]: tuple(o.type.choices) for o in backend_flag_params() if hasattr(o.type, "choices")}
+    assert choices["--onnx-attention"] == ATTENTION and choices["--onnx-spinning"] == SPINNING
+    assert choices["--onnx-weights"] == WEIGHTS
 
 
 # -- the ORT loop ---------------------------------------------------------------------------------------------------
@@ -451,13 +453,49 @@ def test_unknown_spinning_is_one_line_error():
         onnx_backend(1, 1, None, spinning="always")
 
 
-def test_cli_spinning_choices_are_the_backends():
-    """``--onnx-spinning`` lists its choices in the core (which does not import backends); they must stay SPINNING."""
-    from kangaroo_backends.onnx_backend import SPINNING
-    from kangaroo_apps.cli_options import _SHARED
+def test_onnx_options_are_validated_once_when_made_in_one_line():
+    """Every onnx backend option is checked where :class:`OnnxOptions` is made (create, the constructor's keywords):
+    a bad value is one ConfigError line naming it; ``create`` takes exactly its named options."""
+    import inspect
 
-    option = next(o for o in (d(lambda: None).__click_params__[0] for d in _SHARED) if o.name == "onnx_spinning")
-    assert tuple(option.type.choices) == SPINNING
+    import attrs
+
+    from kangaroo_backends.onnx_backend import OnnxBackend, OnnxOptions
+
+    for bad, message in [({"weights": "int3"}, "weights must be one of float32, gguf, got 'int3'"),
+                         ({"spinning": "sometimes"}, "spinning must be one of none, deep, all, got 'sometimes'"),
+                         ({"attention": "fast"}, "attention must be one of auto, in_place, exported, got 'fast'"),
+                         ({"provider": "tpu"}, "provider must be one of auto, cpu, cuda, got 'tpu'"),
+                         ({"accuracy_level": 4}, "accuracy_level applies to weights=gguf only"),
+                         ({"weights": "gguf", "accuracy_level": 7}, "accuracy_level must be an integer 0..4, got 7"),
+                         ({"threads": 0}, "threads must be an integer >= 1 (or None: onnxruntime's choice), got 0")]:
+        with pytest.raises(ConfigError) as info:
+            OnnxOptions(**bad)
+        assert str(info.value) == message
+        with pytest.raises(ConfigError) as info:  # before any model is loaded
+            OnnxBackend.create(DecodeConfig(exit_layer=1), model="/does/not/exist", **bad)
+        assert str(info.value) == message
+    options = OnnxOptions(bundle="~/x", threads=2.0, weights="gguf", accuracy_level="4")
+    assert (options.bundle.is_absolute(), options.threads, options.accuracy_level, options.level) == (True, 2, 4, 4)
+    assert (OnnxOptions().level, OnnxOptions(weights="gguf").level) == (0, 1)
+    parameters = inspect.signature(OnnxBackend.create).parameters.values()
+    assert not any(p.kind is p.VAR_KEYWORD for p in parameters)  # an unknown option is refused by its signature
+    assert [p.name for p in parameters][2:] == ["dtype", *attrs.fields_dict(OnnxOptions)]
+
+
+@needs_ort
+def test_resplit_keeps_the_options(bundles):
+    from kangaroo_backends.onnx_backend import OnnxOptions
+
+    backend = onnx_backend(1, 1, None, spinning="deep", attention="exported")
+    again = backend.resplit(2)
+    assert again.exit_layer == 2 and again.options == backend.options
+    assert (again.spinning, again.attention, again.threads, again.quiet) == ("deep", "exported", 1, True)
+    bundled = onnx_backend(1, 1, bundles(1, 1), spinning="all")
+    assert bundled.resplit(1).options == bundled.options == OnnxOptions(bundle=bundles(1, 1), threads=1,
+                                                                       spinning="all")
+    with pytest.raises(ConfigError, match="cannot be re-split at 2"):
+        bundled.resplit(2)
 
 
 @needs_ort

@@ -18,6 +18,7 @@ from kangaroo_tools import prompts as prompt_files
 from kangaroo_plugins.kangaroo.adapter import KangarooAdapter
 from kangaroo_plugins.greedy_verifier import GreedyVerifier
 from kangaroo_plugins.kangaroo.drafter import KangarooDrafter
+from kangaroo_plugins.kangaroo.networks import load_adapter
 from kangaroo_tools.adapter_training import TrainConfig, soft_cross_entropy, teacher_forced_answer, train_adapter
 from kangaroo_tools.replay import Answer, simulate_policy
 from kangaroo_policies.threshold import ThresholdPolicy
@@ -202,7 +203,7 @@ def test_simulated_cr_equals_the_real_engine(tmp_path, backend, draft_vocab, ada
     config = CONFIG.__class__(**{**_asdict(CONFIG), "epochs": 1, "eta": 0.3, "gamma": 3, "draft_vocab": draft_vocab,
                                  "adapter_type": adapter_type, "draft_head": draft_head, **extra})
     train_adapter(backend, prompts, tmp_path / "w", tmp_path / "o", config, log=lambda m: None)
-    adapter = KangarooAdapter.load(tmp_path / "o", backend.model, base_fingerprint=backend.fingerprint, exit_layer=1)
+    adapter = load_adapter(tmp_path / "o", backend.model, base_fingerprint=backend.fingerprint, exit_layer=1)
     assert adapter.kind == adapter_type and adapter.draft_head == draft_head
     records = list(distill.load_shards(sorted((tmp_path / "w" / "shards").glob("heldout-*.safetensors")), 1))
     drafter = KangarooDrafter(str(tmp_path / "o"))

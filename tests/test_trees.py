@@ -218,7 +218,7 @@ def save_adapter(model, adapter_type: str, directory, exit_layer: int = 2) -> No
     """An adapter of ``adapter_type`` for ``model`` saved in ``directory`` (a deep-context one with non-zero fusions,
     so the deep states really enter its keys and queries)."""
     from kangaroo_backends.torch_eager import model_fingerprint
-    from kangaroo_plugins.kangaroo.adapter import adapter_class
+    from kangaroo_plugins.kangaroo.networks import adapter_class
 
     adapter = adapter_class(adapter_type).from_base_layer(model, exit_layer)
     if adapter_type == "deep-context":

@@ -34,7 +34,8 @@ from kangaroo_core import metrics
 from kangaroo_core.config import _non_negative_int, _positive_int, _unit_interval
 from kangaroo_core.errors import KangarooError
 from kangaroo_core.results import DraftStep
-from kangaroo_plugins.kangaroo.adapter import KangarooAdapter, adapter_class
+from kangaroo_plugins.kangaroo.adapter import KangarooAdapter
+from kangaroo_plugins.kangaroo.networks import adapter_class
 from kangaroo_policies.threshold import ThresholdPolicy
 from kangaroo_tools.features import build_shards, corpus_feature_shards, load_shards, split_prompts
 from kangaroo_tools.prompts import read_prompts

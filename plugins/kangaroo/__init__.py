@@ -1,4 +1,5 @@
-"""The Kangaroo drafter plugin: the drafter (:mod:`.drafter`), its adapter network and file format (:mod:`.adapter`),
+"""The Kangaroo drafter plugin: the drafter (:mod:`.drafter`), its adapter network and file format (:mod:`.adapter`;
+the deep-context variant, :mod:`.deep_context`; every network by type and loading any adapter, :mod:`.networks`),
 where the adapter runs (:mod:`.runners`: eager torch or onnxruntime), its ONNX graph (:mod:`.onnx_graph`), and the
 hybrid drafter (:mod:`.hybrid`: prompt lookup where it has been accepted, the adapter otherwise).
 The shipped trained adapters live in ``adapters/``. Training is a tool, not part of the plugin:

@@ -78,15 +78,39 @@ class DraftHead(nn.Module):
         return full.scatter(-1, self.index.expand(*sub.shape[:-1], -1), sub)
 
 
-def adapter_class(kind: str) -> type["KangarooAdapter"]:
-    """The network class of an adapter ``type`` (``attention``: the paper's; ``deep-context``: reads deep states)."""
-    if kind == "attention":
-        return KangarooAdapter
-    if kind == "deep-context":
-        from kangaroo_plugins.kangaroo.deep_context import DeepContextAdapter
+def read_metadata(directory: str | Path, *, base_fingerprint: str, exit_layer: int) -> dict:
+    """An adapter directory's ``adapter.json``, checked against the loaded model and exit layer (format, base model,
+    exit layer; ``architecture`` a JSON object when present). The network it names: :func:`network_type`."""
+    directory = Path(directory)
+    meta_path, weights_path = directory / METADATA_FILE, directory / WEIGHTS_FILE
+    if not meta_path.is_file() or not weights_path.is_file():
+        raise AdapterMismatchError(f"{directory} is not an adapter directory (needs {METADATA_FILE} and {WEIGHTS_FILE})")
+    meta = read_json(meta_path, AdapterMismatchError)
+    if not isinstance(meta, dict):
+        raise AdapterMismatchError(f"{meta_path} must hold a JSON object, not a {type(meta).__name__}")
+    if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+        raise AdapterMismatchError(
+            f"{meta_path}: unsupported adapter format {meta.get('format')!r} v{meta.get('format_version')!r} "
+            f"(this kangaroo reads {FORMAT} v{FORMAT_VERSION})"
+        )
+    if meta.get("base_model_fingerprint") != base_fingerprint:
+        raise AdapterMismatchError(
+            f"adapter {directory} was made for base model {meta.get('base_model_fingerprint')}, "
+            f"not for the loaded model {base_fingerprint}"
+        )
+    if meta.get("exit_layer") != exit_layer:
+        raise AdapterMismatchError(
+            f"adapter {directory} was trained at exit layer {meta.get('exit_layer')}, but exit layer {exit_layer} was requested"
+        )
+    if not isinstance(meta.get("architecture") or {}, dict):
+        raise AdapterMismatchError(f"{meta_path}: 'architecture' must be a JSON object")
+    return meta
 
-        return DeepContextAdapter
-    raise AdapterMismatchError(f"unknown adapter type {kind!r} (known: attention, deep-context)")
+
+def network_type(meta: dict) -> str:
+    """The network type (``architecture.type``) an adapter's checked metadata names: ``attention`` when absent
+    (:func:`~kangaroo_plugins.kangaroo.networks.adapter_class` gives its class)."""
+    return str((meta.get("architecture") or {}).get("type", "attention"))
 
 
 class KangarooAdapter(nn.Module):
@@ -262,39 +286,23 @@ class KangarooAdapter(nn.Module):
 
     @classmethod
     def load(cls, directory: str | Path, model, *, base_fingerprint: str, exit_layer: int) -> "KangarooAdapter":
+        """The adapter saved in ``directory``, which must be of this network's type (:attr:`kind`); one of any type:
+        :func:`~kangaroo_plugins.kangaroo.networks.load_adapter`."""
         directory = Path(directory)
         meta_path, weights_path = directory / METADATA_FILE, directory / WEIGHTS_FILE
-        if not meta_path.is_file() or not weights_path.is_file():
-            raise AdapterMismatchError(f"{directory} is not an adapter directory (needs {METADATA_FILE} and {WEIGHTS_FILE})")
-        meta = read_json(meta_path, AdapterMismatchError)
-        if not isinstance(meta, dict):
-            raise AdapterMismatchError(f"{meta_path} must hold a JSON object, not a {type(meta).__name__}")
-        if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
-            raise AdapterMismatchError(
-                f"{meta_path}: unsupported adapter format {meta.get('format')!r} v{meta.get('format_version')!r} "
-                f"(this kangaroo reads {FORMAT} v{FORMAT_VERSION})"
-            )
-        if meta.get("base_model_fingerprint") != base_fingerprint:
-            raise AdapterMismatchError(
-                f"adapter {directory} was made for base model {meta.get('base_model_fingerprint')}, "
-                f"not for the loaded model {base_fingerprint}"
-            )
-        if meta.get("exit_layer") != exit_layer:
-            raise AdapterMismatchError(
-                f"adapter {directory} was trained at exit layer {meta.get('exit_layer')}, but exit layer {exit_layer} was requested"
-            )
+        meta = read_metadata(directory, base_fingerprint=base_fingerprint, exit_layer=exit_layer)
+        if network_type(meta) != cls.kind:
+            raise AdapterMismatchError(f"adapter {directory} is a {network_type(meta)!r} adapter, not {cls.kind!r} "
+                                       "(kangaroo_plugins.kangaroo.networks.load_adapter loads any type)")
         arch = meta.get("architecture") or {}
-        if not isinstance(arch, dict):
-            raise AdapterMismatchError(f"{meta_path}: 'architecture' must be a JSON object")
         variant = {"ffn": bool(arch.get("ffn")), "separate_head": bool(arch.get("separate_head")),
                    "draft_head": bool(arch.get("draft_head"))}
-        network = adapter_class(str(arch.get("type", "attention")))
-        expected = adapter_architecture(adapter_config(model.config, exit_layer), kind=network.kind, **variant,
+        expected = adapter_architecture(adapter_config(model.config, exit_layer), kind=cls.kind, **variant,
                                         draft_vocab_size=arch.get("draft_vocab_size"))
         if arch != expected:
             raise AdapterMismatchError(f"adapter {directory} architecture {arch} does not fit this model ({expected})")
         try:
-            adapter = network(model.config, **variant, exit_layer=exit_layer).to(next(model.parameters()).dtype)
+            adapter = cls(model.config, **variant, exit_layer=exit_layer).to(next(model.parameters()).dtype)
         except ValueError as exc:
             raise AdapterMismatchError(f"adapter {directory}: {exc}") from None
         try:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kangaroo_backends.onnx_export import Rotary, _rope
+from kangaroo_backends.onnx_toolkit import Rotary, rope
 from kangaroo_plugins.kangaroo.adapter import KangarooAdapter
 
 #: draft depths beyond this share the last depth embedding
@@ -69,7 +69,7 @@ class DeepContextAdapter(KangarooAdapter):
         if self.qk_norm:
             k = self.attention.k_norm(k)
         cos, sin = self.rope(positions[None])
-        return _rope(k, cos[:, None], sin[:, None]), v
+        return rope(k, cos[:, None], sin[:, None]), v
 
     def kv_input(self, hidden: torch.Tensor, deep: torch.Tensor, known: torch.Tensor) -> torch.Tensor:
         """y = h + W_kv z where ``known`` [.., n, 1] (1.0: deep state verified), h elsewhere."""
@@ -86,7 +86,7 @@ class DeepContextAdapter(KangarooAdapter):
         if self.qk_norm:
             q = self.attention.q_norm(q)
         cos, sin = self.rope(positions[None])
-        return _rope(q, cos[:, None], sin[:, None])
+        return rope(q, cos[:, None], sin[:, None])
 
     def _expand(self, kv: torch.Tensor) -> torch.Tensor:
         """[B, kvh, T, hd] → [B, H, T, hd] (grouped-query attention)."""

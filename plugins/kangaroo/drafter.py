@@ -9,10 +9,11 @@ from pathlib import Path
 
 import torch
 
-from kangaroo_backends.onnx_export import DEFAULT_OPSET, DEFAULT_TOLERANCE
+from kangaroo_backends.onnx_toolkit import DEFAULT_OPSET, DEFAULT_TOLERANCE
 from kangaroo_core.errors import KangarooError
 from kangaroo_core.interfaces import Backend, DraftRunner, SelfDrafter
 from kangaroo_plugins.kangaroo.adapter import METADATA_FILE, KangarooAdapter
+from kangaroo_plugins.kangaroo.networks import load_adapter
 from kangaroo_plugins.kangaroo.runners import make_runner
 
 #: Trained adapters shipped with kangaroo (one directory each); picked by base-model fingerprint and exit layer.
@@ -118,8 +119,8 @@ class KangarooDrafter(SelfDrafter):
         if self.resolved_adapter is None:
             adapter = KangarooAdapter.from_base_layer(model, backend.exit_layer)
         else:
-            adapter = KangarooAdapter.load(self.resolved_adapter, model, base_fingerprint=backend.fingerprint,
-                                           exit_layer=backend.exit_layer)
+            adapter = load_adapter(self.resolved_adapter, model, base_fingerprint=backend.fingerprint,
+                                   exit_layer=backend.exit_layer)
         self.adapter = adapter.eval()
         self.runner = make_runner(backend, self.adapter, self.resolved_adapter, **self.onnx_export)
         # a deep-context adapter asks the engine for the target's deep states of the accepted positions

@@ -19,9 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from kangaroo_backends.onnx_export import (DEFAULT_OPSET, DEFAULT_TOLERANCE, Attention, Rotary, atomic_directory,
-                                           attention_bias, check_tolerance, validation_tree, dynamic_axes, export_graph, kv_names, torch_kv,
-                                           validate_outputs, versions)
+from kangaroo_backends.onnx_bundle import atomic_directory, kv_names, versions
+from kangaroo_backends.onnx_toolkit import (DEFAULT_OPSET, DEFAULT_TOLERANCE, VALIDATION_CASES, Attention, Rotary,
+                                            attention_bias, check_tolerance, dynamic_axes, export_graph, torch_kv,
+                                            validate_outputs, validation_tree)
 from kangaroo_core.errors import OnnxExportError, OnnxModelError
 from kangaroo_core.files import read_json
 
@@ -167,7 +168,7 @@ def export_adapter_graph(adapter, shared_head, out_dir: Path, *, fingerprint: st
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "file": GRAPH_FILE, "opset": opset,
                     "base_model_fingerprint": fingerprint, "exit_layer": exit_layer, "adapter": key,
                     "architecture": adapter.architecture(), "inputs": inputs, "outputs": outputs,
-                    "validation": {**check, "tolerance": limit, "cases": "past=0,n=4; past=5,n=3; past=5, a 3-node tree"},
+                    "validation": {**check, "tolerance": limit, "cases": VALIDATION_CASES},
                     "versions": versions()}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
