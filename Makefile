@@ -2,7 +2,7 @@
 PY ?= python3
 PIP = $(PY) -m pip
 # The tutorials' plugin packages: installed into the test environment, exercised by the tests.
-EXAMPLES = docs/examples/kangaroo-entropy-policy docs/examples/kangaroo-prompt-lookup
+EXAMPLES = docs/examples/kangaroo-entropy-policy docs/examples/kangaroo-prompt-lookup docs/examples/kangaroo-pass-log
 # `make demo PROMPT="..."` asks your prompt instead of one dev question of each kind
 PROMPT ?=
 # `make demo MODEL=gemma3-270m` for the second real model (default: SmolLM2-135M-Instruct)
@@ -29,7 +29,7 @@ browser:
 
 test: install browser
 	$(PY) -m pytest -q --durations=10
-	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 docs:
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict

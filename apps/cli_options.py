@@ -105,8 +105,6 @@ class EngineOptions:
         """The engine the flags describe (``vanilla``: the target alone)."""
         from kangaroo_core.assembly import EngineSpec  # not at import: the CLI starts without torch
 
-        if self.tree is None and self.parsed_tree_options():
-            raise UsageError("--tree-budget / --tree-topk / --tree-depth / --tree-option need --tree NAME")
         spec = EngineSpec(model=self.model, dtype=self.dtype, backend=self.backend_name,
                           backend_options=self.parsed_backend_options(), drafter=self.drafter,
                           drafter_options=self.parsed_drafter_options(), adapter=self.adapter, policy=self.policy,
@@ -119,6 +117,8 @@ class EngineOptions:
         and option is checked before the model loads, so a typo costs no load time."""
         from kangaroo_core.engine import assemble
 
+        if self.tree is None and self.parsed_tree_options():  # the bench alone gives them to its tree methods
+            raise UsageError("--tree-budget / --tree-topk / --tree-depth / --tree-option need --tree NAME")
         spec = self.spec(vanilla=vanilla)
         set_threads(self.threads)
         return assemble(spec, backend=backend)
@@ -148,8 +148,9 @@ class EngineOptions:
                 options[option] = value
         for flag, backends in owners.items():
             if self.backend_name not in backends:
-                raise UsageError(f"{flag} is an option of the {' and '.join(backends)} backend; this command uses "
-                                 f"--backend {self.backend_name}")
+                raise UsageError(f"{flag} is an option of the {' and '.join(backends)} "
+                                 f"backend{'s' if len(backends) > 1 else ''}; this command uses --backend "
+                                 f"{self.backend_name}")
         return options
 
     def parsed_tree_options(self) -> dict:
@@ -242,22 +243,38 @@ _BACKEND_FLAGS: dict[str, tuple[str, tuple[tuple[str, str], ...]]] = {}
 
 
 def backend_flag_params() -> list[click.Option]:
-    """One click option for each flag the installed backend plugins bring (:attr:`Backend.flags`)."""
+    """One click option for each flag the installed backend plugins bring (:attr:`Backend.flags`), made once per
+    plugin registry."""
     from kangaroo_core.plugins import get_registry
 
     registry = get_registry()
+    if _MADE_FOR[0] is not registry:
+        _MADE_FOR[:] = [registry, _flag_params(registry)]
+    return _MADE_FOR[1]
+
+
+#: the registry the flags were last made for, and those flags
+_MADE_FOR: list = [None, []]
+
+
+def _flag_params(registry) -> list[click.Option]:
     owners: dict[str, list[tuple[str, Flag]]] = {}
     for name in registry.names("backend"):
         for flag in getattr(registry.resolve("backend", name), "flags", ()):
             owners.setdefault(flag.name, []).append((name, flag))
+    _BACKEND_FLAGS.clear()
     params = []
     for flag_name, owned in sorted(owners.items()):
         dest = "backend_flag_" + flag_name.lstrip("-").replace("-", "_")
         _BACKEND_FLAGS[dest] = (flag_name, tuple((backend, flag.option) for backend, flag in owned))
+        helps: dict[str, list[str]] = {}
+        for backend, flag in owned:  # backends sharing a flag (a subclass's) often share its help too
+            helps.setdefault(flag.help, []).append(backend)
         first = owned[0][1]
         params.append(click.Option([flag_name, dest], default=None, metavar=first.metavar,
                                    type=click.Choice(first.choices) if first.choices else first.type,
-                                   help=" ".join(f"[{backend} backend] {flag.help}" for backend, flag in owned)))
+                                   help=" ".join(f"[{', '.join(names)} backend{'s' if len(names) > 1 else ''}] {text}"
+                                                 for text, names in helps.items())))
     return params
 
 
@@ -267,10 +284,8 @@ class EngineCommand(click.Command):
 
     def get_params(self, ctx: click.Context) -> list[click.Parameter]:
         params = super().get_params(ctx)
-        if not hasattr(self, "_backend_params"):
-            self._backend_params = backend_flag_params()
-        return params[:-1] + self._backend_params + params[-1:] if params and params[-1].name == "help" else \
-            params + self._backend_params
+        flags = backend_flag_params()
+        return params[:-1] + flags + params[-1:] if params and params[-1].name == "help" else params + flags
 
 
 def engine_options(func):

@@ -71,8 +71,8 @@ def kangaroo_generate(
     """The Kangaroo loop as transformers' ``custom_generate`` (see the module docstring for what maps where).
 
     Args:
-        kangaroo_streamer: a transformers streamer fed as the answer grows (``streamer=`` is dropped by transformers
-            for callables).
+        kangaroo_streamer (transformers.generation.streamers.BaseStreamer | None): a transformers streamer fed as
+            the answer grows (``streamer=`` is dropped by transformers for callables).
         kangaroo_adapter: an adapter directory or shipped adapter name; None: the shipped adapter made for this
             model at this exit layer (an untrained one, still lossless, when none fits).
         kangaroo_exit_layer: None (default) for the layer of the shipped adapter made for this model, else 2.

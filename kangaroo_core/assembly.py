@@ -33,7 +33,8 @@ class EngineSpec:
     ``drafter=None`` describes the target alone. ``verifier="auto"`` is greedy at temperature 0 and speculative
     sampling otherwise. ``exit_layer=None`` splits at the layer the drafter's adapter was trained at for this model
     (``config.exit_layer`` when it has none); a number forces that layer. ``device`` and ``dtype`` go to the backend
-    as options when set. ``adapter`` is the drafter's ``adapter`` option, spelt out because every entry point has it.
+    as options when set (the built-in backends take ``dtype``; none takes ``device`` yet: refused in one line).
+    ``adapter`` is the drafter's ``adapter`` option, spelt out because every entry point has it.
     """
 
     model: str | None = None
@@ -54,6 +55,7 @@ class EngineSpec:
     config: DecodeConfig = DecodeConfig()
 
     def replace(self, **changes: Any) -> "EngineSpec":
+        """A copy with ``changes``, e.g. ``spec.replace(policy="fixed")``."""
         return attrs.evolve(self, **changes)
 
     def target_alone(self) -> "EngineSpec":
@@ -66,6 +68,7 @@ class EngineSpec:
         return {**{k: v for k, v in fixed.items() if k == "model" or v is not None}, **self.backend_options}
 
     def all_drafter_options(self) -> dict[str, Any]:
+        """What the drafter plugin is created with: its own options, then ``adapter`` when set."""
         return {**self.drafter_options, **({"adapter": self.adapter} if self.adapter is not None else {})}
 
     def describe(self) -> dict[str, Any]:

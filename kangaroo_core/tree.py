@@ -149,8 +149,10 @@ def sample_tree_walk(tree: VerifyTree, p: torch.Tensor, uniform, draw) -> tuple[
     rejection; EAGLE's tree sampling uses the same rule).
 
     Args:
+        tree: the verified token tree (its rows, tokens and children).
         p: the target's processed distributions [rows, V] (float64).
-        uniform: () -> a float in [0, 1); draw: (probs [V]) -> token id. Both from the generation's generator.
+        uniform (Callable[[], float]): a float in [0, 1), from the generation's generator.
+        draw (Callable[[torch.Tensor], int]): a token id drawn from probabilities [V], from the generation's generator.
     """
     children = tree.children
     row, path = 0, []

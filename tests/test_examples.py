@@ -1,7 +1,8 @@
 """The tutorials' example packages (docs/examples/) are installed by `make install`; CI proves they work.
 
 Each is listed by `kangaroo plugins`, resolved by the engine by name, and keeps the output token-identical to
-transformers' greedy generate on the tiny model. The compose tutorial's script runs as is.
+transformers' greedy generate (the backend example: to the torch backend) on the tiny model. The compose tutorial's
+script runs as is.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ EXAMPLES = ROOT / "docs" / "examples"
 PACKAGES = [
     ("kangaroo-entropy-policy", "entropy", "policy", "entropy", "kangaroo_entropy_policy"),
     ("kangaroo-prompt-lookup", "prompt-lookup", "drafter", "prompt-lookup", "kangaroo_prompt_lookup"),
+    ("kangaroo-pass-log", "pass-log", "backend", "pass-log", "kangaroo_pass_log"),
 ]
 PROMPT = "the cat runs and the cat runs and the cat"
 
@@ -68,6 +70,19 @@ def test_engine_resolves_examples_by_name_and_stays_lossless(tiny_model_dir, dra
         reference = engine.backend.model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):]
     assert result.token_ids == reference.tolist()[: len(result.token_ids)]
     assert len(result.token_ids) == 16 or result.stopped_on_eos
+
+
+def test_engine_resolves_the_backend_example_by_name_and_logs_every_pass(tiny_model_dir, tmp_path, one_torch_thread):
+    config = DecodeConfig(exit_layer=2, max_new_tokens=16, gamma=4)
+    log = tmp_path / "passes.jsonl"
+    engine = Engine.build(str(tiny_model_dir), config=config, backend="pass-log", backend_options={"log": str(log)})
+    assert type(engine.backend).__name__ == "PassLogBackend"
+    result = engine.generate_ids(engine.encode(PROMPT))
+    reference = Engine.build(str(tiny_model_dir), config=config, backend="torch").generate_ids(engine.encode(PROMPT))
+    assert result.token_ids == reference.token_ids
+    passes = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(passes) == len(engine.backend.passes) > 0
+    assert sum(p["part"] == "deep" for p in passes) == 1 + result.num_rounds  # the prefill + one verify pass a round
 
 
 def test_compose_tutorial_script_runs(tiny_model_dir, capsys, one_torch_thread):

@@ -81,7 +81,7 @@ def parse_methods(text: str | None) -> list[MethodSpec]:
 
 def build_methods(specs: Sequence[MethodSpec], context: BenchContext) -> list[tuple[str, BenchMethod]]:
     registry = get_registry()
-    return [(s.label, registry.resolve("bench_method", s.name).create(context.config, **s.options)) for s in specs]
+    return [(s.label, registry.create("bench_method", s.name, context.config, s.options)) for s in specs]
 
 
 def _one_line(exc: BaseException) -> str:

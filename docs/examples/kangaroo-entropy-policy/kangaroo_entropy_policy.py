@@ -38,8 +38,9 @@ class EntropyPolicy(StoppingPolicy):
 
     @classmethod
     def create(cls, config: DecodeConfig, **options: Any) -> "EntropyPolicy":
-        # options come from --policy-option KEY=VALUE or Engine.build(policy_options={...}); a misspelled key raises
-        # TypeError here, which the engine reports in one line naming the valid options. eta/gamma are not used.
+        # options come from --policy-option KEY=VALUE or Engine.build(policy_options={...}). create passes them on to
+        # __init__, so its parameters are the valid options: a misspelled key is refused in one line naming them,
+        # before anything is built. eta/gamma are not used.
         return cls(**options)
 
     def keep_drafting(self, step: DraftStep) -> bool:
