@@ -743,18 +743,10 @@ def main(argv: list[str] | None = None) -> int:
     except click.exceptions.NoArgsIsHelpError as exc:  # bare `kangaroo`: the help, not an error
         click.echo(exc.ctx.get_help() if exc.ctx else cli.get_help(click.Context(cli)))
         return 0
-    except click.UsageError as exc:
-        _eprint(f"kangaroo: error: {exc.format_message()}")
-        return 2
-    except UsageError as exc:
-        _eprint(f"kangaroo: error: {exc}")
-        return 2
-    except click.ClickException as exc:
-        _eprint(f"kangaroo: error: {exc.format_message()}")
-        return 1
-    except KangarooError as exc:
-        _eprint(f"kangaroo: error: {exc}")
-        return 1
+    except (click.ClickException, KangarooError) as exc:  # bad usage: 2; any other user error: 1
+        text = exc.format_message() if isinstance(exc, click.ClickException) else str(exc)
+        _eprint(f"kangaroo: error: {text}")
+        return 2 if isinstance(exc, (click.UsageError, UsageError)) else 1
     except KeyboardInterrupt:
         _eprint("kangaroo: interrupted")
         return 130

@@ -17,11 +17,11 @@ import attrs
 import click
 
 from kangaroo_core.config import DEFAULT_DRAFTER, DEFAULT_EXIT_LAYER, DecodeConfig, SamplingConfig
+from kangaroo_core.errors import KangarooError, UsageError
 from kangaroo_core.flags import Flag
 
 if TYPE_CHECKING:
     from kangaroo_core.assembly import EngineSpec
-from kangaroo_core.errors import KangarooError, UsageError
 
 
 def parse_key_values(items, flag: str) -> dict:

@@ -108,15 +108,14 @@ def build_verifier(spec: EngineSpec, config: DecodeConfig) -> Verifier:
 def build_pieces(spec: EngineSpec, backend: Backend | None = None) -> Pieces:
     """Every piece of ``spec``, each built once (``backend``: an already loaded backend to reuse)."""
     registry = get_registry()
-    config = spec.config if spec.exit_layer is None else spec.config.replace(exit_layer=spec.exit_layer)
     named = [("backend", spec.backend, spec.all_backend_options()), ("drafter", spec.drafter, spec.all_drafter_options()),
              ("policy", spec.policy, spec.policy_options), ("tree", spec.tree, spec.tree_options),
-             ("verifier", verifier_name(spec, config), spec.verifier_options)]
+             ("verifier", verifier_name(spec, spec.config), spec.verifier_options)]
     for kind, piece, options in named:
         if isinstance(piece, str) and not (kind == "backend" and backend is not None):
             registry.check_options(kind, piece, options)
-    drafter, backend = _drafter_and_backend(spec, config, backend)
-    config = config.replace(exit_layer=backend.exit_layer)
+    drafter, backend = _drafter_and_backend(spec, backend)
+    config = spec.config.replace(exit_layer=backend.exit_layer)
     return Pieces(backend, drafter, _piece("policy", spec.policy, config, spec.policy_options),
                   build_verifier(spec, config), config, _piece("tree", spec.tree, config, spec.tree_options))
 
@@ -124,11 +123,12 @@ def build_pieces(spec: EngineSpec, backend: Backend | None = None) -> Pieces:
 def load_backend(spec: EngineSpec, backend: Backend | None = None) -> Backend:
     """Only the backend of ``spec``, loaded (or ``backend`` reused) and split where the engine would split it: for
     applications that build several engines on one loaded model (the bench) or none at all (exports)."""
+    return _drafter_and_backend(spec, backend)[1]
+
+
+def _drafter_and_backend(spec: EngineSpec, backend: Backend | None):
+    """The drafter, then the backend split for it (both made from the config at the layer the spec asks for)."""
     config = spec.config if spec.exit_layer is None else spec.config.replace(exit_layer=spec.exit_layer)
-    return _drafter_and_backend(spec, config, backend)[1]
-
-
-def _drafter_and_backend(spec: EngineSpec, config: DecodeConfig, backend: Backend | None):
     drafter = _piece("drafter", spec.drafter, config, spec.all_drafter_options())
     if backend is None:
         backend = _piece("backend", spec.backend, config, spec.all_backend_options())

@@ -81,6 +81,14 @@ def assemble(spec: EngineSpec, *, backend: Backend | None = None) -> "Engine":
                   spec=spec)
 
 
+def _asked_layer(exit_layer: int | None, config: DecodeConfig) -> int | None:
+    """``Engine.build``'s exit layer: given, else ``config.exit_layer`` when set to other than the default (a config
+    cannot tell an explicit default apart), else None, the drafter's trained layer."""
+    if exit_layer is None and config.exit_layer != DEFAULT_EXIT_LAYER:
+        return config.exit_layer
+    return exit_layer
+
+
 class Engine:
     """A Kangaroo decoder composed of a backend, a drafter, a stopping policy and a verifier.
 
@@ -154,13 +162,13 @@ class Engine:
         """:func:`assemble` an :class:`~kangaroo_core.assembly.EngineSpec` of these pieces (plugin names or objects).
 
         ``exit_layer=None`` splits at ``config.exit_layer`` when it is set to other than the default, else at the
-        layer the drafter's adapter was trained at for this model (the default when it has none). ``verifier="auto"`` is greedy at temperature 0 and speculative
-        sampling otherwise. ``tree`` (e.g. ``"dynamic"``, options ``budget``, ``topk``, ``depth``) drafts a token tree
-        per round instead of a chain.
+        layer the drafter's adapter was trained at for this model (the default when it has none).
+        ``verifier="auto"`` is greedy at temperature 0 and speculative sampling otherwise. ``tree`` (e.g.
+        ``"dynamic"``, options ``budget``, ``topk``, ``depth``) drafts a token tree per round instead of a chain.
         """
         return assemble(EngineSpec(model=model, config=config, backend=backend, drafter=drafter, policy=policy,
                                    verifier=verifier, adapter=adapter,
-                                   exit_layer=config.exit_layer if exit_layer is None and config.exit_layer != DEFAULT_EXIT_LAYER else exit_layer,
+                                   exit_layer=_asked_layer(exit_layer, config),
                                    backend_options=backend_options, drafter_options=drafter_options,
                                    policy_options=policy_options, verifier_options=verifier_options, tree=tree,
                                    tree_options=tree_options))
