@@ -16,8 +16,8 @@ import attrs
 import click
 
 from kangaroo_core.config import DEFAULT_DRAFTER, DEFAULT_EXIT_LAYER
-from kangaroo_apps.cli_options import (EngineCommand, EngineOptions, check_out_dir, engine_options, model_options,
-                                       parse_key_values, set_threads)
+from kangaroo_apps.cli_options import (EngineCommand, EngineOptions, check_device, check_out_dir, device_option,
+                                       engine_options, model_options, parse_key_values, set_threads)
 from kangaroo_core.errors import KangarooError, UsageError
 
 
@@ -43,8 +43,14 @@ def cli() -> None:
 
 
 @cli.command(cls=EngineCommand)
-@click.argument("prompt")
+@click.argument("prompt", required=False)
 @engine_options
+@click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), default=None, metavar="FILE.jsonl",
+              help='Answer every prompt of FILE.jsonl (one {"id", "prompt"} object per line) instead of PROMPT, in '
+                   "input order; with --json one JSON line per answer.")
+@click.option("--batch", type=click.IntRange(min=1), default=4, show_default=True,
+              help="--prompts: decode this many prompts together (continuous batching; each answer is what the "
+                   "prompt gets alone).")
 @click.option("--vanilla", is_flag=True, help="Run the target model alone (no drafting), for comparison.")
 @click.option("--compare", is_flag=True, help="Run the target alone, then Kangaroo, and print both speeds side by side.")
 @click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
@@ -52,10 +58,23 @@ def cli() -> None:
                    "one short generation on a busy machine is mostly noise.")
 @click.option("--no-chat", is_flag=True, help="Use the prompt as raw text (no chat template).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
-def generate(prompt, opts: EngineOptions, vanilla, compare, repeats, no_chat, as_json) -> None:
-    """Generate a continuation of PROMPT, streaming text as drafts are accepted."""
+def generate(prompt, opts: EngineOptions, prompts_file, batch, vanilla, compare, repeats, no_chat, as_json) -> None:
+    """Generate a continuation of PROMPT, streaming text as drafts are accepted (or answer a --prompts file)."""
     if vanilla and compare:
         raise click.UsageError("--vanilla and --compare exclude each other")
+    if (prompt is None) == (prompts_file is None):
+        raise click.UsageError("give a PROMPT or --prompts FILE.jsonl (one of them)")
+    if prompts_file is not None:
+        if compare:
+            raise click.UsageError("--compare applies to a single PROMPT")
+        from kangaroo_apps.prompts_file import answer_file
+
+        totals = answer_file(opts.engine(vanilla=vanilla), prompts_file, batch=batch, chat=not no_chat,
+                             as_json=as_json)
+        _eprint(f"[{'vanilla' if vanilla else 'kangaroo'}] {totals['answers']} answers, {totals['new_tokens']} tokens "
+                f"in {totals['seconds']:.1f} s: {totals['tokens_per_second']:.1f} tok/s aggregate, "
+                f"{totals['streams_per_pass']:.2f} streams per pass")
+        return
     check_text(prompt, "the prompt")
     if not prompt.strip():
         raise KangarooError("the prompt is empty")
@@ -243,13 +262,24 @@ def _policy_specs(text: str | None):
                    "dynamic).")
 @click.option("--baseline", default="hf_vanilla", show_default=True,
               help="Method label the speedups are relative to (identity is always checked against hf_vanilla).")
+@click.option("--concurrency", default=None, metavar="N[,N...]",
+              help="Instead of the method table: the target alone and Kangaroo with N streams decoding together "
+                   "(e.g. 1,2,4,8): aggregate tok/s, per-token latency, CR, identity per stream "
+                   "(concurrency.json, concurrency.md).")
 @engine_options
 def bench(questions_file, out_dir, methods, limit_per_subtask, repeats, no_warmup, no_progress, sweep_eta, sweep_gamma,
-          adapters, policies, tree_budgets, baseline, opts: EngineOptions) -> None:
+          adapters, policies, tree_budgets, baseline, concurrency, opts: EngineOptions) -> None:
     """Benchmark every method on Spec-Bench questions: results.json, results.md, plots in --out."""
     import datetime
 
     import torch
+
+    if concurrency is not None:
+        levels = _int_list(concurrency, "--concurrency")
+        if not levels or min(levels) < 1:
+            raise UsageError("--concurrency takes stream counts >= 1, e.g. 1,2,4,8")
+        _bench_concurrency(opts, questions_file, limit_per_subtask, levels, check_out_dir(out_dir), not no_progress)
+        return
 
     from kangaroo_core.bench_context import BenchContext
     from kangaroo_apps.bench.harness import MethodSpec, build_methods, parse_methods, run_bench, summarize
@@ -315,6 +345,32 @@ def bench(questions_file, out_dir, methods, limit_per_subtask, repeats, no_warmu
     click.echo(f"wrote {', '.join(str(f) for f in files)}")
 
 
+def _bench_concurrency(opts: EngineOptions, questions_file, limit_per_subtask, levels, out, progress: bool) -> None:
+    import datetime
+
+    import torch
+
+    from kangaroo_apps.bench.questions import load_questions
+    from kangaroo_apps.studies.concurrency import concurrency_table, markdown
+    from kangaroo_core.engine import assemble
+
+    questions = load_questions(questions_file, limit_per_subtask)
+    backend = opts.backend()
+    engines = {"vanilla": assemble(opts.spec(vanilla=True), backend=backend),
+               "kangaroo": assemble(opts.spec(), backend=backend)}
+    prompts = [engines["vanilla"].encode(q.turns[0]) for q in questions]
+    rows = concurrency_table(engines, prompts, levels, opts.max_new_tokens, progress=progress)
+    info = {"command": "kangaroo " + shlex.join(_argv), "model": backend.model_name, "questions": len(prompts),
+            "max_new_tokens": opts.max_new_tokens, "threads": torch.get_num_threads(), "config": opts.summary(),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "concurrency.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1, default=str) + "\n")
+    table = markdown(rows, info)
+    (out / "concurrency.md").write_text(table)
+    click.echo(table)
+    click.echo(f"wrote {out / 'concurrency.json'}, {out / 'concurrency.md'}")
+
+
 @cli.command(cls=EngineCommand)
 @click.option("--questions", "questions_file", default=DEFAULT_QUESTIONS, show_default=True,
               help="Spec-Bench-format questions: the first of each kind is asked (first turn).")
@@ -336,9 +392,59 @@ def demo(questions_file, prompt, no_progress, opts: EngineOptions) -> None:
     click.echo(demo_table(summary))
 
 
+@cli.command("gpu-check")
+@click.option("--device", default="cuda", show_default=True, metavar="cpu|cuda|cuda:N",
+              help="Where to run; without CUDA, --device cuda fails at once (cpu: the same table on the CPU).")
+@click.option("--dtypes", default="float32,bfloat16", show_default=True,
+              help="Comma-separated model dtypes, one run each (the model loaded once per dtype).")
+@click.option("--graphs", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="The torch backend's graphs option for our engine: on = static KV cache + passes captured as CUDA "
+                   "graphs (run eagerly on the CPU); auto = on for CUDA, off on the CPU.")
+@model_options
+@click.option("--adapter", default=None,
+              help="Adapter directory or shipped adapter name (default: the shipped adapter for this model, as for generate).")
+@click.option("--questions", "questions_file", default=DEFAULT_QUESTIONS, show_default=True,
+              help="Spec-Bench-format JSONL questions (Spec-Bench's own data/spec_bench/question.jsonl works too).")
+@click.option("--limit-per-subtask", type=int, default=2, show_default=True, help="The first K questions of each subtask.")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True, help="New tokens per turn (greedy).")
+@click.option("--out", "out_dir", default="gpu-check", show_default=True,
+              help="Directory for gpu_check.json and gpu_check.md.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def gpu_check(device, dtypes, graphs, model, exit_layer, threads, adapter, questions_file, limit_per_subtask,
+              max_new_tokens, out_dir, no_progress) -> None:
+    """Identity and speed on one GPU in a few minutes: transformers eager and static cache + compile, our target
+    alone, Kangaroo and Kangaroo with a dynamic tree, per dtype; a table, gpu_check.json and gpu_check.md in --out.
+
+    Exits 1 when a method fails or a drafting method differs from our target alone on some turn."""
+    from kangaroo_apps.bench.questions import load_questions
+    from kangaroo_apps.studies.gpu_check import (backend_options, check_table, parse_dtypes, problems, run_check,
+                                                 run_info, write_outputs)
+    from kangaroo_backends.devices import resolve_device
+
+    resolve_device(device)  # no CUDA: one line, before anything loads
+    names = parse_dtypes(dtypes)
+    out = check_out_dir(out_dir)
+    questions = load_questions(questions_file, limit_per_subtask)
+    opts = EngineOptions(model=model, exit_layer=exit_layer, threads=threads, adapter=adapter, device=device,
+                         max_new_tokens=max_new_tokens, backend_options=backend_options(graphs))
+    opts.config()  # a bad --max-new-tokens is refused before the model loads
+    result = run_check(opts, names, questions, progress=not no_progress)
+    info = run_info("kangaroo " + shlex.join(_argv), questions_file, questions, max_new_tokens, graphs)
+    files = write_outputs(out, result, info)
+    click.echo(check_table(result))
+    click.echo(f"wrote {', '.join(str(f) for f in files)}")
+    found = problems(result)
+    for problem in found[1:]:
+        _eprint(f"kangaroo: gpu-check: {problem}")
+    if found:
+        raise KangarooError(f"gpu-check: {found[0]}" + (f" (and {len(found) - 1} more above)" if len(found) > 1 else ""))
+
+
 @cli.command("train-adapter")
 @click.option("--out", "out_dir", required=True, help="Output adapter directory (+ training_report.json, training_curves.png).")
 @model_options
+@device_option(help="Where the target answers, the features are computed and the adapter trains: cpu (the default), "
+                    "cuda or cuda:N. Weights and optimizer stay float32 (faster steps: --train-matmuls bfloat16).")
 @click.option("--prompts", "prompts_file", default="../shared/data/train_prompts.jsonl", show_default=True,
               help="JSONL prompts ({id, prompt, category}) or ShareGPT-style conversations. Never Spec-Bench.")
 @click.option("--corpus", "corpus_dir", default=None,
@@ -382,15 +488,16 @@ def demo(questions_file, prompt, no_progress, opts: EngineOptions) -> None:
 @click.option("--record-layers", default="", help="Also record these layers' states (e.g. 1,3,4) for an exit-layer sweep on the same data.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--skip-generation", is_flag=True, help="Train on the answers recorded so far in the work directory (no new generation).")
-def train_adapter_command(out_dir, model, exit_layer, threads, prompts_file, corpus_dir, work_dir, num_prompts, heldout_prompts,
-                          max_new_tokens, generation_batch_size, top_k, epochs, batch_size, lr, ffn, separate_head,
-                          draft_vocab, adapter_type, draft_head, loss, train_depths, fusion_lr_scale, feature_weight,
-                          prompt_queries, feature_matmuls, train_matmuls, record_layers, seed, skip_generation) -> None:
+def train_adapter_command(out_dir, model, exit_layer, threads, device, prompts_file, corpus_dir, work_dir, num_prompts,
+                          heldout_prompts, max_new_tokens, generation_batch_size, top_k, epochs, batch_size, lr, ffn,
+                          separate_head, draft_vocab, adapter_type, draft_head, loss, train_depths, fusion_lr_scale,
+                          feature_weight, prompt_queries, feature_matmuls, train_matmuls, record_layers, seed, skip_generation) -> None:
     """Train a Kangaroo adapter by self-distillation (resumable; progress bars with ETA)."""
     from kangaroo_core.paths import cache_dir
     from kangaroo_tools.adapter_training import TrainConfig, train_adapter
     from kangaroo_tools.prompts import read_prompts
 
+    check_device(device)
     try:
         layers = tuple(int(x) for x in record_layers.split(",") if x.strip())
     except ValueError:
@@ -419,7 +526,7 @@ def train_adapter_command(out_dir, model, exit_layer, threads, prompts_file, cor
         corpus.manifest()  # not a corpus: refused before the model loads
     else:
         read_prompts(prompts_file, warn=lambda _m: None)  # a file without usable prompts is refused before any work
-    backend = EngineOptions(model=model, exit_layer=exit_layer, threads=threads).backend(vanilla=True)
+    backend = EngineOptions(model=model, exit_layer=exit_layer, threads=threads, device=device).backend(vanilla=True)
     work = work_dir or cache_dir() / "train" / backend.fingerprint
     _eprint(f"kangaroo: work directory {work} (re-run the same command to resume)")
     report = train_adapter(backend, prompts_file, work, out_dir, config, command_line=command_line(), log=_eprint,
@@ -437,6 +544,8 @@ def command_line() -> str:
 @cli.command("train-policy")
 @click.option("--out", "out_dir", required=True, help="Output directory (predictor.safetensors + predictor.json).")
 @model_options
+@device_option
+@click.option("--dtype", default=None, help="Model dtype: float32 (the default), bfloat16, float16.")
 @click.option("--adapter", default=None, help="Adapter directory (default: the shipped adapter for this model, as for generate).")
 @click.option("--prompts", "prompts_file", default="../shared/data/train_prompts.jsonl", show_default=True,
               help="JSONL training prompts ({id, prompt, category} or ShareGPT-style). Never Spec-Bench.")
@@ -446,17 +555,18 @@ def command_line() -> str:
 @click.option("--steps", type=int, default=300, show_default=True, help="Gradient-descent steps of the fit.")
 @click.option("--lr", type=float, default=0.1, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-def train_policy_command(out_dir, model, exit_layer, threads, adapter, prompts_file, num_prompts, gamma, max_new_tokens,
-                         steps, lr, seed) -> None:
+def train_policy_command(out_dir, model, exit_layer, threads, device, dtype, adapter, prompts_file, num_prompts, gamma,
+                         max_new_tokens, steps, lr, seed) -> None:
     """Fit the learned policy's acceptance predictor on fixed-gamma greedy runs over training prompts."""
     from kangaroo_core.assembly import build_pieces
     from kangaroo_tools.policy_training import train_predictor
 
+    check_device(device)
     if num_prompts < 1 or steps < 1:
         raise UsageError("--num-prompts and --steps must be >= 1")
     check_out_dir(out_dir)
-    opts = EngineOptions(model=model, exit_layer=exit_layer, threads=threads, gamma=gamma, max_new_tokens=max_new_tokens,
-                         adapter=adapter, drafter="kangaroo", policy="fixed")
+    opts = EngineOptions(model=model, exit_layer=exit_layer, threads=threads, device=device, dtype=dtype, gamma=gamma,
+                         max_new_tokens=max_new_tokens, adapter=adapter, drafter="kangaroo", policy="fixed")
     set_threads(threads)
     pieces = build_pieces(opts.spec())  # at the adapter's exit layer unless --exit-layer is given
     report = train_predictor(pieces.backend, pieces.drafter, prompts_file, out_dir, num_prompts=num_prompts, gamma=gamma,
@@ -516,6 +626,8 @@ def analyze_policies_command(questions_file, out_dir, policies, limit_per_subtas
 @cli.command("export-onnx")
 @click.option("--out", "out", required=True, help="Directory to write (must not exist or be empty).")
 @model_options
+@device_option(help="cpu only: the export traces on the CPU in float32 and an ONNX graph runs on any device; run the "
+                    "bundle on CUDA with `kangaroo generate --backend onnx --device cuda`.")
 @click.option("--adapter", default=None,
               help="Also export this adapter's graph into the bundle (default: the shipped adapter for this model, "
                    "as for generate; 'none': the split target only).")
@@ -526,11 +638,16 @@ def analyze_policies_command(questions_file, out_dir, policies, limit_per_subtas
               help="gguf: linear layers as MatMulNBits over the GGUF file's own blocks (--model must be a GGUF file).")
 @click.option("--accuracy-level", type=click.IntRange(0, 4), default=1, show_default=True,
               help="With --weights gguf: MatMulNBits accuracy level; 1 float32 activations, 4 int8 activations (lossy).")
-def export_onnx_command(out, model, exit_layer, threads, adapter, opset, tolerance, weights, accuracy_level) -> None:
+def export_onnx_command(out, model, exit_layer, threads, device, adapter, opset, tolerance, weights,
+                        accuracy_level) -> None:
     """Export shallow M[:l], deep M[l:] and the head to ONNX (+ the Kangaroo adapter's graph), validated against eager."""
     from kangaroo_backends.onnx_export import export_onnx
     from kangaroo_backends.onnx_toolkit import import_onnxruntime
 
+    if device is not None and device.strip().lower() != "cpu":
+        raise UsageError(f"--device {device}: export-onnx traces on the CPU in float32 (an ONNX graph runs on any "
+                         f"device); export without --device, then run the bundle on CUDA with --backend onnx "
+                         f"--device cuda")
     import_onnxruntime()
     check_out_dir(out)
     # torch: the weights to export, split at the adapter's exit layer unless --exit-layer is given
@@ -577,6 +694,8 @@ def corpus() -> None:
 @click.option("--out", "out_dir", default="corpora/smollm2-135m-instruct", show_default=True,
               help="Corpus directory (created, or extended when it exists: same model and settings only).")
 @model_options
+@device_option(help="Where the target answers: cpu (the default), cuda or cuda:N (float32 either way; each shard "
+                    "records its device).")
 @click.option("--prompts", "prompts_file", default="../shared/data/train_prompts.jsonl", show_default=True,
               help="JSONL prompts ({id, prompt, category}) or ShareGPT-style conversations. Never Spec-Bench.")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Answer length (token budget).")
@@ -587,13 +706,14 @@ def corpus() -> None:
 @click.option("--max-shards", type=int, default=None, help="Stop after this many new training shards.")
 @click.option("--minutes", type=float, default=None, help="Stop starting new shards after this many minutes.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def corpus_build(out_dir, model, exit_layer, threads, prompts_file, max_new_tokens, heldout_prompts, shard_size,
+def corpus_build(out_dir, model, exit_layer, threads, device, prompts_file, max_new_tokens, heldout_prompts, shard_size,
                  batch_size, max_shards, minutes, no_progress) -> None:
     """Answer the prompts with the target (held-out split first), extending the corpus shard by shard (resumable)."""
     import time
 
     from kangaroo_tools.corpus import Corpus, CorpusSettings, build
 
+    check_device(device)
     if "specbench" in os.path.basename(prompts_file).lower().replace("-", "").replace("_", ""):
         raise KangarooError(f"refusing to distil {prompts_file}: Spec-Bench is for evaluation only")
     settings = CorpusSettings(max_new_tokens=max_new_tokens, heldout_prompts=heldout_prompts, shard_size=shard_size)
@@ -601,7 +721,7 @@ def corpus_build(out_dir, model, exit_layer, threads, prompts_file, max_new_toke
     from kangaroo_tools.prompts import read_prompts
 
     read_prompts(prompts_file, warn=lambda _m: None)  # refused before the model loads
-    engine = EngineOptions(model=model, exit_layer=exit_layer, threads=threads).engine(vanilla=True)
+    engine = EngineOptions(model=model, exit_layer=exit_layer, threads=threads, device=device).engine(vanilla=True)
     deadline = None if minutes is None else time.time() + 60 * minutes
     summary = build(Corpus(out), engine, prompts_file, settings, max_train_shards=max_shards, batch_size=batch_size,
                     deadline=deadline, progress=not no_progress, log=_eprint)
@@ -681,16 +801,21 @@ def profile(opts: EngineOptions, context, positions, repeats, compare_plain, out
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--queue-size", type=int, default=16, show_default=True,
-              help="Requests that may wait behind the running one; more are answered 429 at once.")
+              help="Requests that may wait behind the running ones; more are answered 429 at once.")
+@click.option("--max-batch", type=int, default=4, show_default=True,
+              help="Requests decoded together (continuous batching, each answer as if decoded alone); 1: one at a "
+                   "time.")
 @click.option("--served-model-name", default=None, help="The model id clients send (default: the model's file name).")
 @click.option("--max-request-bytes", type=int, default=4 * 1024 * 1024, show_default=True,
               help="Larger request bodies are answered 413.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
-def serve(opts: EngineOptions, host, port, queue_size, served_model_name, max_request_bytes, log_level) -> None:
+def serve(opts: EngineOptions, host, port, queue_size, max_batch, served_model_name, max_request_bytes,
+          log_level) -> None:
     """An OpenAI-compatible server (chat, completions, streaming) with /metrics and a live page at /.
 
-    One engine, loaded once from the same flags as `generate`; requests are decoded one at a time in arrival order.
+    One engine, loaded once from the same flags as `generate`; requests are taken in arrival order and up to
+    --max-batch of them decoded together.
     The sampling flags are the defaults for requests that set none (greedy unless --temperature says otherwise).
     """
     try:
@@ -704,9 +829,12 @@ def serve(opts: EngineOptions, host, port, queue_size, served_model_name, max_re
                                      "pip install 'kangaroo-decoding[serve]'") from None
     if queue_size < 1:
         raise UsageError(f"--queue-size must be >= 1, got {queue_size}")
+    if max_batch < 1:
+        raise UsageError(f"--max-batch must be >= 1, got {max_batch}")
     engine = opts.engine()
     engine.generate("Hello", max_new_tokens=4)  # warm-up before the first client: one-off allocations, kernel build
-    app = create_app(engine, model_id=served_model_name, queue_size=queue_size, max_request_bytes=max_request_bytes)
+    app = create_app(engine, model_id=served_model_name, queue_size=queue_size, max_request_bytes=max_request_bytes,
+                     max_batch=max_batch)
     _eprint(f"kangaroo: serving {app.state.model_id} on http://{host}:{port}/ (OpenAI API under /v1, live page at /)")
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 

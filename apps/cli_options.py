@@ -82,6 +82,7 @@ class EngineOptions:
     backend_options: tuple = ()
     #: ``(flag, backend, option, value)`` for each backend plugin's own flag given on the command line
     backend_flags: tuple = ()
+    device: str | None = None
     dtype: str | None = None
     threads: int | None = None
     temperature: float = 0.0
@@ -105,7 +106,7 @@ class EngineOptions:
         """The engine the flags describe (``vanilla``: the target alone)."""
         from kangaroo_core.assembly import EngineSpec  # not at import: the CLI starts without torch
 
-        spec = EngineSpec(model=self.model, dtype=self.dtype, backend=self.backend_name,
+        spec = EngineSpec(model=self.model, device=self.device, dtype=self.dtype, backend=self.backend_name,
                           backend_options=self.parsed_backend_options(), drafter=self.drafter,
                           drafter_options=self.parsed_drafter_options(), adapter=self.adapter, policy=self.policy,
                           policy_options=self.parsed_policy_options(), verifier=self.verifier, tree=self.tree,
@@ -198,6 +199,26 @@ def model_options(func):
     return func
 
 
+DEVICE_HELP = "Where the model runs: cpu (the default), cuda or cuda:N."
+
+
+def device_option(func=None, *, help: str = DEVICE_HELP):
+    """``--device cpu|cuda|cuda:N`` for a command that loads a model without the shared engine flags (train-adapter,
+    train-policy, corpus build, export-onnx): ``@device_option`` or ``@device_option(help=...)``. The command calls
+    :func:`check_device` first, so a missing GPU is refused in one line before anything loads."""
+    option = click.option("--device", default=None, metavar="cpu|cuda|cuda:N", help=help)
+    return option if func is None else option(func)
+
+
+def check_device(device: str | None) -> None:
+    """Refuse ``--device`` in one line (a :class:`~kangaroo_core.config.ConfigError`) when it names no device or CUDA
+    is asked for and absent: before any prompt file is read or model loaded."""
+    if device is not None:
+        from kangaroo_backends.devices import resolve_device  # torch: only when a device is named
+
+        resolve_device(device)
+
+
 _SHARED = [
     click.option("--adapter", default=None, help=ADAPTER_HELP),
     click.option("--eta", type=float, default=0.6, show_default=True,
@@ -220,6 +241,8 @@ _SHARED = [
                  help="Backend plugin (built-in: torch, onnx); its own flags are listed below."),
     click.option("--backend-option", "backend_options", multiple=True, metavar="KEY=VALUE",
                  help="Option for the backend plugin (repeatable), e.g. kernels=plain for torch, bundle=DIR for onnx."),
+    click.option("--device", default=None, metavar="cpu|cuda|cuda:N",
+                 help="Where the model runs (default cpu; onnx: cuda selects onnxruntime's CUDA provider)."),
     click.option("--dtype", default=None,
                  help="Model dtype (torch: float32 default, bfloat16, float16; onnx: float32 only)."),
     click.option("--temperature", type=float, default=0.0, show_default=True, help="0: greedy; > 0: sample."),

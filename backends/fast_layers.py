@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from kangaroo_backends.native import MAX_ROWS
+from kangaroo_backends.ragged import Ragged, exact_rows_on, ragged_attention
 
 #: passes of up to this many rows run the kernels (exact per row): a verify pass of gamma <= 15 drafts or a token tree
 #: of up to 16 nodes; longer passes (prompts) run BLAS and SDPA, where a GEMM is efficient
@@ -48,7 +49,7 @@ class SmallBatchLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if rows > EXACT_ROWS or x.dtype != torch.float32 or x.device.type != "cpu" or self.weight.dtype != torch.float32:
+        if (rows > EXACT_ROWS and not exact_rows_on()) or x.dtype != torch.float32 or x.device.type != "cpu" or self.weight.dtype != torch.float32:
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features).contiguous()
         out = torch.empty(rows, self.out_features, dtype=x.dtype)
@@ -96,6 +97,9 @@ def grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
 
     Shapes: query [b, H, q, d]; key/value [b, Hkv, k, d]; attention_mask additive [b, 1, q, k] or None.
     """
+    if isinstance(key, Ragged):  # several streams' rows: each attends over its own cache (kangaroo_backends.ragged)
+        return ragged_attention(grouped_sdpa, module, query, key, value, attention_mask, dropout=dropout,
+                                scaling=scaling, is_causal=is_causal, **kwargs)
     kernel = getattr(module, "attention_kernel", None)
     if kernel is not None and not dropout and kwargs.get("softcap") is None:
         out = kernel_attention(kernel, query, key, value, attention_mask, scaling)

@@ -151,8 +151,17 @@ def gguf_source(model) -> Path | None:
         return None
 
 
-def load_model(model: str | os.PathLike | None, dtype="float32"):
-    """Return ``(model, tokenizer, name)`` for a local HF directory, a GGUF file, a short name, or None (default)."""
+def load_model(model: str | os.PathLike | None, dtype="float32", device=None):
+    """Return ``(model, tokenizer, name)`` for a local HF directory, a GGUF file, a short name, or None (default),
+    on ``device`` (a name or torch device; None: the CPU), CUDA refused in one line where absent."""
+    from kangaroo_backends.devices import resolve_device
+
+    where = resolve_device(device)  # before any load: a missing GPU costs no load time
+    loaded, tokenizer, name = _load(model, dtype)
+    return (loaded if where.type == "cpu" else loaded.to(where)), tokenizer, name
+
+
+def _load(model, dtype):
     path = model_path(model)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     if path.is_file():

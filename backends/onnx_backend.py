@@ -65,6 +65,20 @@ SPINNING = ("none", "deep", "all")
 ATTENTION = ("auto", "in_place", "exported")
 
 
+def provider_for_device(device: str | None, provider: str) -> str:
+    """``--device`` spelt as an onnxruntime provider: ``cpu`` → cpu, ``cuda`` → cuda (``cuda:N`` is not chosen
+    here: onnxruntime's CUDA provider runs on device 0); a device that contradicts ``--provider`` is refused."""
+    if device is None:
+        return provider
+    wanted = {"cpu": "cpu", "cuda": "cuda", "cuda:0": "cuda"}.get(str(device))
+    if wanted is None:
+        raise ConfigError(f"the onnx backend runs on --device cpu or cuda (onnxruntime's CUDA provider, device 0), "
+                          f"got {device!r}")
+    if provider not in ("auto", wanted):
+        raise ConfigError(f"--device {device} contradicts --provider {provider}")
+    return wanted
+
+
 def resolve_provider(ort, provider: str) -> str:
     """``auto``: CUDA when onnxruntime-gpu sees a GPU, else CPU; ``cpu`` / ``cuda``: that one or a ProviderError."""
     available = ort.get_available_providers()
@@ -373,9 +387,10 @@ class OnnxBackend(Backend):
         self.swapped: set[Path] = set()  # the graph files whose attention runs in place
 
     @classmethod
-    def create(cls, config: DecodeConfig, model: Any = None, dtype: str = "float32", provider: str = "auto",
-               bundle: str | None = None, threads: int | None = None, weights: str = "float32",
+    def create(cls, config: DecodeConfig, model: Any = None, device: str | None = None, dtype: str = "float32",
+               provider: str = "auto", bundle: str | None = None, threads: int | None = None, weights: str = "float32",
                accuracy_level: int | None = None, spinning: str = "none", attention: str = "auto") -> "OnnxBackend":
+        provider = provider_for_device(device, provider)
         options = OnnxOptions(provider=provider, bundle=bundle, threads=threads, weights=weights,
                               accuracy_level=accuracy_level, spinning=spinning, attention=attention)
         if dtype != "float32":

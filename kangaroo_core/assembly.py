@@ -33,7 +33,7 @@ class EngineSpec:
     ``drafter=None`` describes the target alone. ``verifier="auto"`` is greedy at temperature 0 and speculative
     sampling otherwise. ``exit_layer=None`` splits at the layer the drafter's adapter was trained at for this model
     (``config.exit_layer`` when it has none); a number forces that layer. ``device`` and ``dtype`` go to the backend
-    as options when set (the built-in backends take ``dtype``; none takes ``device`` yet: refused in one line).
+    as options when set (``cpu``, ``cuda``, ``cuda:N``; ``float32``, ``bfloat16``, ``float16``).
     ``adapter`` is the drafter's ``adapter`` option, spelt out because every entry point has it.
     """
 

@@ -92,6 +92,7 @@ def measure_costs(backend, drafter=None, *, context: int = 300, positions: Seque
         if drafter.wants_deep_states:
             drafter.observe_deep(0, prefill.hidden)
         drafter.advance(prefix, h_prefix)
+    now = (lambda: torch.cuda.synchronize(backend.device) or time.perf_counter()) if "cuda" in str(getattr(backend, "device", "")) else time.perf_counter
     times: dict[int, list[float]] = {n: [] for n in positions}
     draft_times: list[float] = []
     for _ in range(repeats):
@@ -99,17 +100,17 @@ def measure_costs(backend, drafter=None, *, context: int = 300, positions: Seque
         rng.shuffle(order)
         for n in order:
             backend.crop(context)
-            start = time.perf_counter()
+            start = now()  # CUDA: clocks read after the queued work
             hidden = backend.shallow(ids[context: context + n], context)
             backend.deep(hidden, context)
-            times[n].append(time.perf_counter() - start)
+            times[n].append(now() - start)
         if drafter is not None:
             backend.crop(context)
             drafter.crop(context)
-            start = time.perf_counter()
+            start = now()
             hidden = backend.shallow(ids[context: context + 1], context)
             drafter.advance(ids[: context + 1], hidden)
-            draft_times.append(time.perf_counter() - start)
+            draft_times.append(now() - start)
         if progress is not None:
             progress()
     backend.crop(context)

@@ -145,6 +145,8 @@ class Engine:
         cls,
         model: str | None = None,
         *,
+        device: str | None = None,
+        dtype: str | None = None,
         config: DecodeConfig = DecodeConfig(),
         backend: str | Backend = "torch",
         drafter: str | SelfDrafter | None = DEFAULT_DRAFTER,
@@ -161,12 +163,12 @@ class Engine:
     ) -> "Engine":
         """:func:`assemble` an :class:`~kangaroo_core.assembly.EngineSpec` of these pieces (plugin names or objects).
 
-        ``exit_layer=None`` splits at ``config.exit_layer`` when it is set to other than the default, else at the
+        ``device`` (``cpu``, ``cuda``, ``cuda:N``) and ``dtype`` go to the backend. ``exit_layer=None`` splits at ``config.exit_layer`` when it is set to other than the default, else at the
         layer the drafter's adapter was trained at for this model (the default when it has none).
         ``verifier="auto"`` is greedy at temperature 0 and speculative sampling otherwise. ``tree`` (e.g.
         ``"dynamic"``, options ``budget``, ``topk``, ``depth``) drafts a token tree per round instead of a chain.
         """
-        return assemble(EngineSpec(model=model, config=config, backend=backend, drafter=drafter, policy=policy,
+        return assemble(EngineSpec(model=model, device=device, dtype=dtype, config=config, backend=backend, drafter=drafter, policy=policy,
                                    verifier=verifier, adapter=adapter,
                                    exit_layer=_asked_layer(exit_layer, config),
                                    backend_options=backend_options, drafter_options=drafter_options,
@@ -223,6 +225,18 @@ class Engine:
     def stream(self, prompt: Prompt, *, chat: bool = True, max_new_tokens: int | None = None) -> "TextStream":
         """Iterate over text pieces as they are accepted; ``.result`` holds the :class:`GenerationResult` after."""
         return TextStream(self, self.encode(prompt, chat=chat), self._budget(max_new_tokens))
+
+    def batch(self, max_batch: int = 4) -> "Batch":
+        """Decode many prompts together (continuous batching, each stream lossless as if alone): see
+        :class:`~kangaroo_core.batching.Batch`."""
+        from kangaroo_core.batching import Batch
+
+        return Batch(self, max_batch)
+
+    def generate_many(self, prompts: Sequence, *, max_batch: int = 4, **options: Any) -> list[GenerationResult]:
+        """Decode every prompt, up to ``max_batch`` at once; results in input order (options: ``chat``,
+        ``max_new_tokens``, ``sampling``)."""
+        return self.batch(max_batch).generate(prompts, **options)
 
     def _budget(self, max_new_tokens: int | None) -> int:
         if max_new_tokens is None:

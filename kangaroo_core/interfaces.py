@@ -151,6 +151,20 @@ class Backend(abc.ABC):
         """The same loaded model split at another exit layer (weights shared, caches separate)."""
         raise NotImplementedError(f"the '{self.name}' backend cannot be re-split at exit layer {exit_layer}")
 
+    # -- many streams (kangaroo_core.batching) --------------------------------------------------------------------
+    def stream_view(self) -> "Backend":
+        """This backend with a KV cache of its own (a slot; weights shared): one per stream decoded in a batch."""
+        raise NotImplementedError(f"the '{self.name}' backend cannot decode several streams at once")
+
+    def shallow_many(self, parts: Sequence[tuple["Backend", Sequence[int], int, Any]]) -> list[torch.Tensor]:
+        """:meth:`shallow` for several stream views at once, ``parts`` of (view, token_ids, start, tree): one pass
+        over all their rows where the backend can (each row computed as its stream alone would compute it)."""
+        return [view.shallow(ids, start, tree) for view, ids, start, tree in parts]
+
+    def deep_many(self, parts: Sequence[tuple["Backend", torch.Tensor, int, Any, Any]]) -> list[DeepOutput]:
+        """:meth:`deep` for several stream views at once, ``parts`` of (view, hidden, start, rows, tree)."""
+        return [view.deep(hidden, start, rows, tree) for view, hidden, start, rows, tree in parts]
+
     # -- for drafters with a network of their own, on backends whose runtime is not torch (e.g. onnxruntime) -------
     def artifact_dir(self) -> Any:
         """A directory (``pathlib.Path``) where drafters keep graphs they export for this backend's runtime, inside
@@ -194,6 +208,10 @@ class DraftRunner(abc.ABC):
         """Optional (token trees): states [m, d] of tree nodes at slots ``start..`` → logits [m, V], one per node."""
         raise NotImplementedError(f"{type(self).__name__} cannot draft token trees")
 
+    def fork(self) -> "DraftRunner":
+        """The same network with an empty cache of its own (weights shared), for another stream."""
+        raise NotImplementedError(f"{type(self).__name__} cannot run several streams")
+
     def keep(self, positions: Sequence[int]) -> None:
         """Keep exactly these cached slots (ascending), compacted to the front; a prefix is :meth:`crop`."""
         positions = list(positions)
@@ -222,6 +240,11 @@ class SelfDrafter(abc.ABC):
     @abc.abstractmethod
     def bind(self, backend: Backend) -> None:
         """Attach to a loaded backend (load or initialise weights that depend on the base model)."""
+
+    def fork(self, backend: Backend) -> "SelfDrafter":
+        """A drafter for another stream on ``backend`` (a :meth:`Backend.stream_view`): weights shared, positions
+        and every other per-generation state its own. Needed to decode several streams at once."""
+        raise NotImplementedError(f"the '{self.name}' drafter cannot decode several streams at once")
 
     def preferred_exit_layer(self, fingerprint: str) -> int | None:
         """The exit layer this drafter's weights were made for on the base model with this fingerprint (e.g. the

@@ -32,8 +32,8 @@ class DraftStep:
     def from_logits(cls, logits: torch.Tensor, index: int) -> "DraftStep":
         """The drafter's top-1 proposal from its next-token logits [V] (greedy drafting: q is a point mass)."""
         probs = torch.softmax(logits.float(), dim=-1)
-        confidence, token = probs.max(dim=-1)
-        return cls(index=index, token=int(token), probs=probs, confidence=float(confidence))
+        confidence, token = torch.stack([t.double() for t in probs.max(dim=-1)]).tolist()  # one host sync, exact
+        return cls(index=index, token=int(token), probs=probs, confidence=confidence)
 
 
 @attrs.frozen

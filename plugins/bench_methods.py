@@ -1,6 +1,8 @@
 """Built-in bench methods for ``kangaroo bench``.
 
 * ``hf_vanilla`` — transformers ``generate``, greedy: the reference for speedups and for losslessness;
+* ``hf_static`` — transformers ``generate`` with a static KV cache (``cache_implementation="static"``), which
+  transformers compiles itself on CUDA (``torch.compile``, mode ``reduce-overhead``: CUDA graphs);
 * ``hf_prompt_lookup`` — transformers prompt-lookup decoding (``prompt_lookup_num_tokens=10``);
 * ``hf_early_exit`` — transformers ``assistant_early_exit=l`` (LayerSkip-style self-speculation at our exit layer);
 * ``vanilla`` — our engine with no drafter (the same loop, one token per pass);
@@ -12,6 +14,9 @@ The onnxruntime methods (``ort_vanilla``, ``vanilla_onnx``, ``kangaroo_onnx``) l
 The transformers methods run on the backend's own model object (loaded once, shared). They report CR as new tokens
 per full-depth target pass (counted with a pre-hook on the last decoder layer, which early-exit drafts never reach),
 and no CTAR (transformers does not expose per-round acceptance).
+
+Every method's clock is read after the device's queued work (:func:`sync`): CUDA runs asynchronously, and a clock read
+while kernels are still queued measures the launches, not the work.
 """
 
 from __future__ import annotations
@@ -19,11 +24,19 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import attrs
 import torch
 
+from kangaroo_backends.devices import synchronize
 from kangaroo_core.bench_context import RUN_DEFAULT, BenchContext, BenchMethod, Messages, MethodResult, trim
 from kangaroo_core.errors import KangarooError
 from kangaroo_core.hookspecs import hookimpl
+
+
+def sync(device: Any) -> None:
+    """Wait for a CUDA device's queued work before the clock is read (a CPU device, or none: nothing to wait for)."""
+    if isinstance(device, torch.device) and torch.cuda.is_available():
+        synchronize(device)
 
 
 class HFGenerate(BenchMethod):
@@ -75,9 +88,11 @@ class HFGenerate(BenchMethod):
         try:
             if self.seed is not None:
                 torch.manual_seed(self.seed)
+            sync(ids.device)
             started = time.perf_counter()
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                       **self.kwargs)
+            sync(ids.device)
             seconds = time.perf_counter() - started
         finally:
             if handle is not None:
@@ -85,6 +100,58 @@ class HFGenerate(BenchMethod):
         new = out[0, ids.shape[1]:].tolist()
         return MethodResult(trim(new, self.context.eos_token_ids, max_new_tokens), seconds,
                             target_passes=passes[0] or None, generated_tokens=len(new))
+
+
+class HFStatic(HFGenerate):
+    """transformers ``generate`` with a static KV cache, as transformers recommends for speed: on CUDA it compiles the
+    decoding forward itself (``torch.compile``, mode ``reduce-overhead``, i.e. CUDA graphs; the prefill stays eager);
+    on the CPU it runs the static cache eagerly (transformers compiles there only when asked).
+
+    transformers keeps one static cache per model and reallocates it, at a new size, whenever a generation needs more
+    room — and a new size means compiling again. So that no timed turn pays for compiling, a turn that needs more
+    room first grows the cache outside the clock, to a power of two (at least 256 slots, at most the model's
+    context), with a short untimed generation that compiles and captures the new size. The timed call is the plain
+    ``model.generate(..., cache_implementation="static")``. No drafter, so no target alone (its identity check is
+    against ``hf_vanilla``); CR is 1 by construction: one full pass per new token (no pass-counting hook — a hook
+    would force recompiles and does not run under CUDA-graph replay).
+    """
+
+    name = "hf_static"
+    rank = 1
+    target_alone = ""  # transformers' own target, compiled: compared with hf_vanilla (identical_to_vanilla)
+
+    def generate_kwargs(self, context: BenchContext) -> dict[str, Any]:
+        return {"cache_implementation": "static"}
+
+    def prepare(self, context: BenchContext) -> None:
+        super().prepare(context)
+        self.last_layer = None
+        text_config = self.model.config.get_text_config()
+        self.max_positions = getattr(text_config, "max_position_embeddings", None)
+
+    def cache_slots(self) -> int:
+        """Slots of the static cache transformers holds for this model now (0: none yet)."""
+        return getattr(getattr(self.model, "_cache", None), "max_cache_len", 0) or 0
+
+    @torch.inference_mode()
+    def grow_cache(self, prompt: list[int], max_new_tokens: int) -> None:
+        """Outside the clock: make transformers' static cache hold this turn (generate allocates prompt + new - 1
+        slots), compiling and capturing the new size with a 4-token generation over a filler prompt."""
+        need = len(prompt) + max_new_tokens - 1
+        if need <= self.cache_slots():
+            return
+        size = max(256, 1 << (need - 1).bit_length())
+        size = max(need, min(size, self.max_positions or size))
+        steps = min(4, size)
+        filler = (prompt * (size // max(1, len(prompt)) + 1))[: size - steps + 1]
+        ids = torch.tensor([filler], device=self.model.device)
+        self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, min_new_tokens=steps,
+                            **self.kwargs)
+
+    def run(self, messages: Messages, max_new_tokens: int) -> MethodResult:
+        self.grow_cache(self.context.encode(messages), max_new_tokens)
+        result = super().run(messages, max_new_tokens)
+        return attrs.evolve(result, target_passes=result.generated_tokens)
 
 
 class HFPromptLookup(HFGenerate):
@@ -124,8 +191,10 @@ class EngineMethod(BenchMethod):
 
     def run(self, messages: Messages, max_new_tokens: int) -> MethodResult:
         ids = self.engine.encode(list(messages))
+        sync(getattr(self.engine.backend, "device", None))  # no earlier queued work in this run's time
         result = self.engine.generate_ids(ids, max_new_tokens)
-        # the engine's own clock: prefill + loop, without a policy's untimed preparation (the oracle's reference)
+        # the engine's own clock: prefill + loop, without a policy's untimed preparation (the oracle's reference);
+        # every round ends on token ids read back to the host, so that clock runs after the device's work
         return MethodResult(list(result.token_ids), result.seconds, rounds=list(result.rounds))
 
 
@@ -201,6 +270,7 @@ class VanillaMethod(EngineMethod):
 @hookimpl
 def register_bench_methods(register):
     register("hf_vanilla", HFGenerate)
+    register("hf_static", HFStatic)
     register("hf_prompt_lookup", HFPromptLookup)
     register("hf_early_exit", HFEarlyExit)
     register("vanilla", VanillaMethod)

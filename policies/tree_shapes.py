@@ -25,6 +25,8 @@ from kangaroo_core.results import DraftStep
 #: ``budget="auto"``: the most verified rows whose pass costs at most this many one-position passes (measured).
 AUTO_RELATIVE_COST = 1.3
 AUTO_MAX_BUDGET = 15
+#: on a GPU a verify pass of 64 rows costs little more than one (its captured passes are at most 64 rows wide)
+AUTO_MAX_BUDGET_CUDA = 63
 
 
 def _positive(name: str, value: Any) -> int:
@@ -34,11 +36,13 @@ def _positive(name: str, value: Any) -> int:
 
 
 def auto_budget(backend, relative_cost: float = AUTO_RELATIVE_COST, repeats: int = 5) -> tuple[int, Any]:
-    """The largest node budget b <= AUTO_MAX_BUDGET whose verify pass (b + 1 rows after a 300-token context) costs at
-    most ``relative_cost`` one-position passes on ``backend``, and the measured curve (median of ``repeats``)."""
+    """The largest node budget b <= AUTO_MAX_BUDGET (AUTO_MAX_BUDGET_CUDA on a GPU) whose verify pass (b + 1 rows
+    after a 300-token context) costs at most ``relative_cost`` one-position passes on ``backend``, and the measured
+    curve (median of ``repeats``)."""
     from kangaroo_core.cost_model import measure_costs
 
-    sizes = list(range(1, AUTO_MAX_BUDGET + 2))
+    cuda = getattr(getattr(backend, "device", None), "type", "cpu") == "cuda"
+    sizes = list(range(1, (AUTO_MAX_BUDGET_CUDA if cuda else AUTO_MAX_BUDGET) + 2))
     context = max(1, min(300, backend.max_context - sizes[-1] - 1))  # 300 tokens, or what a small model has
     curve = measure_costs(backend, None, context=context, positions=sizes, repeats=repeats)
     return budget_from_curve(curve.relative, relative_cost), curve

@@ -28,8 +28,9 @@ ALLOWED = {
     "kangaroo_tools": {"kangaroo_core", "kangaroo_backends", "kangaroo_policies", "kangaroo_plugins"},
     "kangaroo_apps": {"kangaroo_core", "kangaroo_backends", "kangaroo_policies", "kangaroo_plugins", "kangaroo_tools"},
 }
-#: the largest the core may grow (lines of Python)
-CORE_LINE_BUDGET = 2500
+#: the largest the core may grow (lines of Python): the small-core issue's 2,500, plus the batch loop
+#: (kangaroo_core/batching.py) that many-streams decoding added to the loop's own contract
+CORE_LINE_BUDGET = 2850
 
 
 def modules(root: Path = ROOT, packages: dict[str, str] = PACKAGES) -> dict[str, Path]:

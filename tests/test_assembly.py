@@ -83,7 +83,7 @@ def test_a_loaded_backend_is_reused_and_resplit_for_the_spec(tiny_model_dir, one
 def test_backend_options_are_checked_before_the_model_loads(capsys):
     assert main(["generate", "hi", "--backend-option", "kernel=plain", "--model", "/does/not/exist"]) == 1
     err = capsys.readouterr().err.strip()
-    assert err == ("kangaroo: error: backend 'torch': unknown option(s) kernel; valid options: model, dtype, kernels")
+    assert err == ("kangaroo: error: backend 'torch': unknown option(s) kernel; valid options: model, device, dtype, kernels, graphs, cache_size, graph_rows")
     with pytest.raises(ConfigError, match=r"^drafter 'kangaroo': unknown option\(s\) nope; valid options: adapter"):
         assemble(EngineSpec(model="/does/not/exist", drafter="kangaroo", drafter_options={"nope": 1}))
 

@@ -21,7 +21,7 @@ QUESTIONS = [
      "subtask": "mt_bench"},
     {"question_id": 7, "category": "qa", "turns": ["what is the cat"], "subtask": "qa"},
 ]
-BUILTIN = ["hf_vanilla", "hf_prompt_lookup", "hf_early_exit", "vanilla", "kangaroo", "kangaroo_hybrid", "kangaroo_tree", "ort_vanilla", "vanilla_onnx",
+BUILTIN = ["hf_vanilla", "hf_prompt_lookup", "hf_static", "hf_early_exit", "vanilla", "kangaroo", "kangaroo_hybrid", "kangaroo_tree", "ort_vanilla", "vanilla_onnx",
            "kangaroo_onnx", "kangaroo_onnx_hybrid", "kangaroo_onnx_tree"]
 SEEN: list[list[dict]] = []
 

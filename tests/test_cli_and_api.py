@@ -166,7 +166,7 @@ def test_prompt_errors(engine):
         (["generate", "hi", "--eta", "abc"], "'abc' is not a valid float"),
         (["generate", "hi", "--vanilla", "--compare"], "--vanilla and --compare exclude each other"),
         (["generate", "hi", "--repeats", "3"], "--repeats applies to --compare"),
-        (["generate"], "Missing argument 'PROMPT'"),
+        (["generate"], "give a PROMPT or --prompts FILE.jsonl"),
         (["generate", "hi", "--top-p", "0"], "top_p must be in (0, 1], got 0.0"),
         (["generate", "hi", "--temperature", "-1"], "temperature must be a finite number >= 0, got -1.0"),
         (["generate", "hi", "--top-k", "-2"], "top_k must be an integer >= 0, got -2"),

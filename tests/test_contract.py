@@ -358,8 +358,8 @@ def test_policy_create_errors_keep_config_errors_readable():
 
     with pytest.raises(ConfigError, match=r"policy 'threshold': eta must be in \[0, 1\], got 2"):
         get_registry().create("policy", "threshold", DecodeConfig(), {"eta": 2})
-    with pytest.raises(ConfigError, match=r"^backend 'torch': unknown option\(s\) kernel; valid options: model, dtype, "
-                                          r"kernels$"):
+    with pytest.raises(ConfigError, match=r"^backend 'torch': unknown option\(s\) kernel; valid options: model, device, "
+                                          r"dtype, kernels, graphs, cache_size, graph_rows$"):
         get_registry().create("backend", "torch", DecodeConfig(), {"kernel": "plain"})
 
 

@@ -121,8 +121,8 @@ def distillation_loss(draft_logits: torch.Tensor, topk_ids: torch.Tensor, topk_l
     if not bool(useful.any()):
         return draft_logits.sum() * 0.0
     columns, present = columns[useful].clamp(min=0), present[useful]
-    p = torch.softmax(topk_logprobs[useful].float().masked_fill(~present, float("-inf")), dim=-1)  # [N', K]
-    log_q = torch.log_softmax(draft_logits[useful].float(), dim=-1).gather(-1, columns)  # [N', K]
+    p = torch.softmax(_wide(topk_logprobs[useful]).masked_fill(~present, float("-inf")), dim=-1)  # [N', K]
+    log_q = torch.log_softmax(_wide(draft_logits[useful]), dim=-1).gather(-1, columns)  # [N', K]
     log_q = log_q.masked_fill(~present, 0.0)
     value = -(p * log_q).sum(-1).mean()
     if loss == "accept":
@@ -130,6 +130,11 @@ def distillation_loss(draft_logits: torch.Tensor, topk_ids: torch.Tensor, topk_l
     elif loss != "soft-ce":
         raise KangarooError(f"unknown loss {loss!r} (soft-ce, accept)")
     return value
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in at least float32 (half precision upcast for softmaxes and losses; a float64 model's stays float64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 # -- batching -------------------------------------------------------------------------------------------------------
@@ -167,22 +172,24 @@ class Batch:
         """[B, T] bool: the queries a round drafts from at ``depth``: q in [p + depth, n − 2] (the round's first
         token is at p or later; the last token predicts nothing). ``prompt``: every q in [depth + 1, n − 2] (the
         prompt's positions too, as if drafting inside the prompt: extra training rows, never evaluated)."""
-        width = self.hidden.shape[1]
-        q = torch.arange(width)[None, :]
-        p = torch.tensor(self.prompt_lengths)[:, None]
-        n = torch.tensor(self.lengths)[:, None]
+        width, device = self.hidden.shape[1], self.hidden.device
+        q = torch.arange(width, device=device)[None, :]
+        p = torch.tensor(self.prompt_lengths, device=device)[:, None]
+        n = torch.tensor(self.lengths, device=device)[:, None]
         first = depth + 1 if prompt else p + depth
         return (q >= first) & (q <= n - 2)
 
 
-def _collate(batch: list[dict], dtype=torch.float32, deep: bool = False) -> Batch:
+def _collate(batch: list[dict], dtype=torch.float32, deep: bool = False, device=None) -> Batch:
+    """Pad the (CPU) records into one batch: states in ``dtype``, soft labels in at least float32, all of it on
+    ``device`` (None: the CPU), assembled on the CPU and moved in one copy per tensor."""
     width = max(r["hidden"].shape[0] for r in batch)
     d = batch[0]["hidden"].shape[1]
     k = batch[0]["topk_ids"].shape[1]
     hidden = torch.zeros(len(batch), width, d, dtype=dtype)
     deep_states = torch.zeros(len(batch), width, d, dtype=dtype) if deep else None
     ids = torch.zeros(len(batch), width, k, dtype=torch.long)
-    logps = torch.zeros(len(batch), width, k, dtype=torch.float32)
+    logps = torch.zeros(len(batch), width, k, dtype=torch.promote_types(dtype, torch.float32))
     tokens = torch.zeros(len(batch), width, dtype=torch.long)
     for row, r in enumerate(batch):
         n = r["hidden"].shape[0]
@@ -191,7 +198,10 @@ def _collate(batch: list[dict], dtype=torch.float32, deep: bool = False) -> Batc
             if "deep" not in r:
                 raise KangarooError("the feature shards hold no deep states; delete them to recompute")
             deep_states[row, :n] = r["deep"].to(dtype)
-        ids[row, :n], logps[row, :n], tokens[row, :n] = r["topk_ids"], r["topk_logprobs"].float(), r["input_ids"]
+        ids[row, :n], logps[row, :n], tokens[row, :n] = r["topk_ids"], r["topk_logprobs"], r["input_ids"]
+    if device is not None and torch.device(device).type != "cpu":
+        hidden, ids, logps, tokens = (t.to(device, non_blocking=True) for t in (hidden, ids, logps, tokens))
+        deep_states = None if deep_states is None else deep_states.to(device, non_blocking=True)
     return Batch(hidden, deep_states, ids, logps, tokens, [r["prompt_length"] for r in batch],
                  [r["hidden"].shape[0] for r in batch])
 
@@ -233,8 +243,9 @@ def vocab_index_of(adapter: KangarooAdapter) -> torch.Tensor | None:
     """token id → column of the training logits (-1 outside the draft vocabulary); None without one."""
     if adapter.draft_vocab is None:
         return None
-    index = torch.full((adapter.config.vocab_size,), -1, dtype=torch.long)
-    index[adapter.draft_vocab] = torch.arange(len(adapter.draft_vocab))
+    device = next(adapter.parameters()).device  # where the batches' label ids are
+    index = torch.full((adapter.config.vocab_size,), -1, dtype=torch.long, device=device)
+    index[adapter.draft_vocab.to(device)] = torch.arange(len(adapter.draft_vocab), device=device)
     return index
 
 
@@ -273,7 +284,7 @@ def evaluate(adapter: KangarooAdapter, head, records: list[dict], config: TrainC
     losses, agree, total, all_rounds = [], [0] * len(depths), [0] * len(depths), []
     policy = ThresholdPolicy(eta=config.eta)
     for batch_records in _batches(records, config.batch_size, None):
-        batch = _collate(batch_records, head.weight.dtype, deep=deep)
+        batch = _collate(batch_records, head.weight.dtype, deep=deep, device=head.weight.device)
         per_depth = []  # per depth: flat over the rows q in [p − 1, n − 2] of each record, in order
         labelled = batch.rows(-1)  # row i of a record ↔ its response token i
         for j, out in zip(depths, depth_outputs(adapter, batch, depths)):
@@ -282,12 +293,13 @@ def evaluate(adapter: KangarooAdapter, head, records: list[dict], config: TrainC
             if j == 0:
                 losses.append(float(distillation_loss(logits[rows], batch.topk_ids[labelled][rows],
                                                       batch.topk_logprobs[labelled][rows], vocab_index)) * int(rows.sum()))
-            probs = torch.softmax(logits.float(), dim=-1)  # what the drafter proposes from (the draft vocabulary)
+            probs = torch.softmax(_wide(logits), dim=-1)  # what the drafter proposes from (the draft vocabulary)
             confidence, column = probs.max(-1)
-            predicted = column if adapter.draft_vocab is None else adapter.draft_vocab[column]
+            predicted = column if adapter.draft_vocab is None else adapter.draft_vocab.to(column.device)[column]
             agree[j] += int((predicted == batch.topk_ids[labelled][:, 0])[rows].sum())
             total[j] += int(rows.sum())
-            per_depth.append((predicted, probs, confidence))
+            # the replay reads them row by row: from the CPU (a no-op there), not one device sync per draft
+            per_depth.append((predicted.cpu(), probs.cpu(), confidence.cpu()))
         offset = 0
         for r in batch_records:
             m = r["hidden"].shape[0] - r["prompt_length"]
@@ -326,7 +338,8 @@ def training_loss(adapter: KangarooAdapter, head, batch: Batch, config: TrainCon
         if config.feature_weight:
             if batch.deep is None:
                 raise KangarooError("the feature shards hold no deep states; delete them to recompute")
-            loss = loss + config.feature_weight * torch.nn.functional.smooth_l1_loss(out[rows].float(), batch.deep[rows].float())
+            regression = torch.nn.functional.smooth_l1_loss(_wide(out[rows]), _wide(batch.deep[rows]))
+            loss = loss + config.feature_weight * regression
         total = total + w * loss
     return total / sum(weights)
 
@@ -440,6 +453,7 @@ def train_adapter(backend, prompts_file: str | Path | None, work_dir: str | Path
     # 3. train
     t0 = time.perf_counter()
     head = backend.shared_head()
+    device = head.weight.device  # the model's: the adapter (placed like the model), batches and losses live there
     for p in model.parameters():
         p.requires_grad_(False)
     if config.draft_head and not config.draft_vocab:
@@ -491,8 +505,9 @@ def train_adapter(backend, prompts_file: str | Path | None, work_dir: str | Path
         losses = []
         bar = tqdm(_batches(train_records, config.batch_size, rng), total=steps_per_epoch, desc=f"epoch {epoch}/{config.epochs}", unit="batch")
         for batch in bar:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_steps):
-                loss = training_loss(adapter, head, _collate(batch, head.weight.dtype, deep=wants_deep), config, vocab_index)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16_steps):
+                loss = training_loss(adapter, head, _collate(batch, head.weight.dtype, deep=wants_deep, device=device),
+                                     config, vocab_index)
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
@@ -519,6 +534,7 @@ def train_adapter(backend, prompts_file: str | Path | None, work_dir: str | Path
         "config": attrs.asdict(config),
         "model": backend.model_name,
         "base_model_fingerprint": backend.fingerprint,
+        "device": str(device),
         "data": {"train_prompts": sum(1 for _ in train_records), "heldout_prompts": len(heldout_records),
                  "train_tokens": count(train_records), "train_response_tokens": response(train_records),
                  "heldout_tokens": count(heldout_records), "heldout_response_tokens": response(heldout_records),

@@ -311,6 +311,7 @@ def batched_greedy_answers(model, prompt_ids: Sequence[list[int]], max_new_token
             seq = prompt_ids[i]
             ids[r, width - len(seq):] = torch.tensor(seq)
             mask[r, width - len(seq):] = 1
+        ids, mask = ids.to(model.device), mask.to(model.device)  # the cache follows the keys (device and dtype)
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                              temperature=None, top_p=None, top_k=None, pad_token_id=pad,
                              eos_token_id=sorted(eos_ids) or None,
@@ -372,6 +373,7 @@ def build(corpus: Corpus, engine, prompts_file: str | Path, settings: CorpusSett
             "seconds": round(seconds, 2), "answer_tokens_per_second": round(answer_tokens / seconds, 2),
             "generator": "engine" if split == "heldout" else f"hf-generate-batch{batch_size}-preallocated",
             "threads": torch.get_num_threads(),
+            "device": str(backend.base_model().device),  # a GPU's greedy answers may part from the CPU's at near-ties
         })
         bar.update(1)
         bar.set_postfix(tok_s=f"{answer_tokens / seconds:.1f}")

@@ -73,13 +73,16 @@ def extract_features(model, sequences: list[list[int]], prompt_lengths: list[int
         ids[row, : len(seq)] = torch.tensor(seq)
         mask[row, : len(seq)] = 1
         select[row, p - 1 : len(seq) - 1] = True
-    with torch.autocast("cpu", dtype=matmul_dtype, enabled=matmul_dtype is not None):
+    head = model.lm_head.weight
+    ids, mask, select = ids.to(head.device), mask.to(head.device), select.to(head.device)  # where the model is
+    with torch.autocast(head.device.type, dtype=matmul_dtype, enabled=matmul_dtype is not None):
         out = model.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-    deep = out.last_hidden_state.to(model.lm_head.weight.dtype)
-    logprobs = torch.log_softmax(model.lm_head(deep[select]).float(), dim=-1)  # [N, V]
+    deep = out.last_hidden_state.to(head.dtype)
+    logits = model.lm_head(deep[select])
+    logprobs = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)  # [N, V]
     top = torch.topk(logprobs, top_k, dim=-1)
-    topk_ids = torch.zeros((*ids.shape, top_k), dtype=torch.int32)
-    topk_logprobs = torch.zeros((*ids.shape, top_k), dtype=torch.float16)
+    topk_ids = torch.zeros((*ids.shape, top_k), dtype=torch.int32, device=ids.device)
+    topk_logprobs = torch.zeros((*ids.shape, top_k), dtype=torch.float16, device=ids.device)
     topk_ids[select] = top.indices.to(torch.int32)
     topk_logprobs[select] = top.values.to(torch.float16)
     shard = {
@@ -92,7 +95,7 @@ def extract_features(model, sequences: list[list[int]], prompt_lengths: list[int
     for layer in layers:
         shard[f"hidden_l{layer}"] = out.hidden_states[layer].to(torch.float16)
     shard["deep"] = deep.to(torch.float16)
-    return shard
+    return {name: tensor.cpu() for name, tensor in shard.items()}  # shards are files (a no-op on the CPU)
 
 
 def shard_path(directory: Path, split: str, index: int) -> Path:

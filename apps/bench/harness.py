@@ -26,7 +26,8 @@ REFERENCE = "hf_vanilla"
 CTAR_WINDOWS = 6
 #: The keys every per-subtask / overall entry of results.json has.
 METRIC_KEYS = ("new_tokens", "seconds", "tokens_per_second", "mean_accepted_tokens", "ctar", "identical_to_vanilla",
-               "identical_turns", "identical_to_target_alone", "mean_drafted", "draft_share", "verify_share", "runs")
+               "identical_turns", "identical_to_target_alone", "identical_to_target_alone_turns", "mean_drafted",
+               "draft_share", "verify_share", "runs")
 
 
 @attrs.frozen
@@ -97,8 +98,10 @@ def rotate(items: list[str], k: int) -> list[str]:
 
 
 def run_bench(context: BenchContext, methods: list[tuple[str, BenchMethod]], questions: Sequence[Question], *,
-              max_new_tokens: int, repeats: int = 1, warmup: bool = True, progress: bool = True) -> BenchRun:
-    """Measure every method on every question turn, interleaved; a failing method is reported, not fatal."""
+              max_new_tokens: int, repeats: int = 1, warmup: bool = True, progress: bool = True,
+              desc: str = "bench") -> BenchRun:
+    """Measure every method on every question turn, interleaved; a failing method is reported, not fatal (``desc``:
+    the progress bar's label)."""
     from tqdm import tqdm
 
     if repeats < 1:
@@ -130,7 +133,7 @@ def run_bench(context: BenchContext, methods: list[tuple[str, BenchMethod]], que
     records: list[Record] = []
     total = sum(len(q.turns) for q in questions) * len(labels) * repeats
     step = 0
-    with tqdm(total=total, desc="bench", unit="gen", file=sys.stderr, disable=not progress, dynamic_ncols=True) as bar:
+    with tqdm(total=total, desc=desc, unit="gen", file=sys.stderr, disable=not progress, dynamic_ncols=True) as bar:
         for repeat in range(repeats):
             for question in questions:
                 history: list[dict[str, str]] = []
@@ -194,6 +197,7 @@ def metrics(records: Sequence[Record], greedy: bool) -> dict[str, Any]:
         out["identical_turns"] = sum(bool(r.identical) for r in records)  # of `runs`: how often, not only whether
     if greedy and results and all(r.same_as_target_alone is not None for r in records):
         out["identical_to_target_alone"] = all(r.same_as_target_alone for r in records)
+        out["identical_to_target_alone_turns"] = sum(bool(r.same_as_target_alone) for r in records)  # of `runs`
     return out
 
 

@@ -50,17 +50,17 @@ def served_name(model_name: str) -> str:
 
 
 def create_app(engine, *, model_id: str | None = None, queue_size: int = 16, default_max_tokens: int | None = None,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
-    """An app serving ``engine`` (one request decoding at a time, ``queue_size`` waiting). Sampling defaults are
-    the engine's config; ``default_max_tokens`` (default: the engine's ``max_new_tokens``) caps answers that set no
-    ``max_tokens``."""
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_batch: int = 1) -> FastAPI:
+    """An app serving ``engine`` (``max_batch`` requests decoding together, 1: one at a time; ``queue_size``
+    waiting). Sampling defaults are the engine's config; ``default_max_tokens`` (default: the engine's
+    ``max_new_tokens``) caps answers that set no ``max_tokens``."""
     model_id = model_id or served_name(engine.backend.model_name)
     defaults = engine.config
     default_max_tokens = default_max_tokens or defaults.max_new_tokens
     context = engine.backend.max_context
     front_tokenizer = copy.deepcopy(engine.backend.tokenizer)  # the engine thread decodes with the original
     metrics = ServerMetrics(defaults.gamma)
-    worker = EngineWorker(engine, metrics, queue_size=queue_size)
+    worker = EngineWorker(engine, metrics, queue_size=queue_size, max_batch=max_batch)
     started = time.time()
 
     async def lifespan(_app):
@@ -101,8 +101,12 @@ def create_app(engine, *, model_id: str | None = None, queue_size: int = 16, def
             payload = json.loads(body)
         except (UnicodeDecodeError, ValueError) as exc:
             raise ApiError(400, f"the body is not valid JSON: {type(exc).__name__}: {exc}".splitlines()[0]) from None
+        except RecursionError:
+            raise ApiError(400, "the body is nested too deeply") from None
         if not isinstance(payload, dict):
             raise ApiError(400, "the body must be a JSON object")
+        if surrogate := protocol.lone_surrogate(payload):  # before anything can reach the tokenizer (or a response)
+            raise surrogate
         try:
             req = kind.model_validate(payload)
         except ValidationError as exc:
@@ -152,6 +156,7 @@ def create_app(engine, *, model_id: str | None = None, queue_size: int = 16, def
     @app.get("/health")
     async def health():
         body = {"status": "ok" if worker.alive else "engine down", "model": model_id, "queue_depth": worker.depth(),
+                "max_batch": worker.max_batch,
                 "backend": engine.backend.name, "drafter": getattr(engine.drafter, "name", None) or "none",
                 "uptime_seconds": round(time.time() - started, 1)}
         return JSONResponse(body, status_code=200 if worker.alive else 503)

@@ -15,11 +15,28 @@ Names (counters end in ``_total``)::
     kangaroo_cancelled_total                     generations stopped because their client went away
     kangaroo_compression_rate                    CR over all rounds so far: round tokens / verify passes
     kangaroo_tokens_per_second                   engine tokens/s of the last finished generation
-    kangaroo_queue_depth                         requests waiting + the one running
+    kangaroo_queue_depth                         requests waiting + those running
+    kangaroo_running_requests                    requests decoding now (at most --max-batch)
     kangaroo_request_seconds                     histogram of request wall time (HTTP side), by endpoint
+    kangaroo_time_to_first_token_seconds         histogram: queued → the first token generated (queue wait + prefill)
+    kangaroo_queue_wait_seconds                  histogram: queued → the engine takes the request
+    kangaroo_request_tokens_per_second           histogram: engine tokens/s of each finished generation
+    kangaroo_batch_size                          histogram: requests decoded together, one observation per pass: with
+                                                 --max-batch 1 per round of the one request (the prefill and every
+                                                 verify pass, always 1); batched, per merged pass of the batch (drafting
+                                                 M[:l] or verify M[l:]: the streams it held)
+    kangaroo_batch_passes_total                  passes observed by kangaroo_batch_size (merged passes when batched)
+    kangaroo_batch_stream_passes_total           stream passes those passes held (the rows of the merged passes)
+    kangaroo_streams_per_pass                    stream passes / passes over all passes so far (1.0 unbatched)
+
+The worker also feeds a moving mean of seconds per request (taken off the queue → done), which sizes the
+``Retry-After`` of a refusal: :meth:`ServerMetrics.retry_after` (divided by the requests decoding at once).
 """
 
 from __future__ import annotations
+
+import math
+import time
 
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
@@ -50,15 +67,43 @@ class ServerMetrics:
         self.compression_rate.set_function(self._cr)
         self.tokens_per_second = Gauge("kangaroo_tokens_per_second", "Engine tokens/s of the last finished generation",
                                        registry=registry)
-        self.queue_depth = Gauge("kangaroo_queue_depth", "Requests waiting plus the one running", registry=registry)
+        self.queue_depth = Gauge("kangaroo_queue_depth", "Requests waiting plus those running", registry=registry)
+        self.running = Gauge("kangaroo_running_requests", "Requests decoding now", registry=registry)
         self.request_seconds = Histogram("kangaroo_request_seconds", "Request wall time", ["endpoint"],
                                          registry=registry, buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+        self.time_to_first_token = Histogram(
+            "kangaroo_time_to_first_token_seconds", "Queued to the first token generated (queue wait + prefill)",
+            registry=registry, buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.queue_wait = Histogram(
+            "kangaroo_queue_wait_seconds", "Queued to taken by the engine", registry=registry,
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+        self.request_tokens_per_second = Histogram(
+            "kangaroo_request_tokens_per_second", "Engine tokens/s of each finished generation", registry=registry,
+            buckets=(1, 2.5, 5, 10, 20, 35, 50, 75, 100, 150, 200, 300, 500, 1000))
+        self.batch_size = Histogram(
+            "kangaroo_batch_size", "Requests decoded together in one pass", registry=registry,
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128))
+        self.batch_passes = Counter("kangaroo_batch_passes", "Passes observed by kangaroo_batch_size",
+                                    registry=registry)
+        self.batch_stream_passes = Counter("kangaroo_batch_stream_passes",
+                                           "Stream passes (rows) held by those passes", registry=registry)
+        self.streams_per_pass = Gauge("kangaroo_streams_per_pass", "Stream passes per pass over all passes so far",
+                                      registry=registry)
+        self.streams_per_pass.set_function(self._streams_per_pass)
+        self.mean_service_seconds: float | None = None  # moving mean of seconds per request (None: none done yet)
+        self._began: dict = {}  # when each running request was taken, by its key
 
     _passes = 0  # plain copies for the CR gauge (only the engine thread writes them)
     _emitted = 0
 
+    _batch_passes = 0  # plain copies for the streams-per-pass gauge (only the engine thread writes them)
+    _batch_rows = 0
+
     def _cr(self) -> float:
         return self._emitted / self._passes if self._passes else 0.0
+
+    def _streams_per_pass(self) -> float:
+        return self._batch_rows / self._batch_passes if self._batch_passes else 0.0
 
     def round(self, emitted: int, drafted: int, accepted: int) -> None:
         self._passes += 1
@@ -74,6 +119,60 @@ class ServerMetrics:
         self.prompt_tokens.inc(prompt_tokens)
         self.new_tokens.inc(new_tokens)
         self.tokens_per_second.set(tokens_per_second)
+        self.request_tokens_per_second.observe(tokens_per_second)
+
+    # -- hooks the worker calls (engine thread) --------------------------------------------------------------------
+    #: weight of the newest request in the moving mean of service time
+    SERVICE_SMOOTHING = 0.25
+
+    def observe_batch(self, size: int) -> None:
+        """One pass of the engine decoded ``size`` requests together (unbatched: the prefill or a verify pass of the
+        one request; batched: a merged pass holding ``size`` streams)."""
+        self.batch_size.observe(size)
+        self._batch_passes += 1
+        self._batch_rows += size
+        self.batch_passes.inc()
+        self.batch_stream_passes.inc(size)
+
+    def first_token(self, seconds_since_queued: float) -> None:
+        self.time_to_first_token.observe(seconds_since_queued)
+
+    def request_started(self, seconds_queued: float, key=None) -> None:
+        """The engine took a request off the queue (after waiting ``seconds_queued``); its service clock starts.
+        ``key`` tells requests running at once apart (the same key to :meth:`request_done`)."""
+        self.queue_wait.observe(seconds_queued)
+        self._began[key] = time.perf_counter()
+        self.running.set(len(self._began))
+
+    def request_done(self, key=None) -> None:
+        """A running request is done (finished, failed or cancelled): its service time enters the mean."""
+        began = self._began.pop(key, None)
+        self.running.set(len(self._began))
+        if began is not None:
+            self.observe_service(time.perf_counter() - began)
+
+    @property
+    def _service_began(self) -> float | None:
+        """When the oldest running request was taken (None: none running)."""
+        return min(list(self._began.values()), default=None)
+
+    def observe_service(self, seconds: float) -> None:
+        mean = self.mean_service_seconds
+        self.mean_service_seconds = seconds if mean is None else mean + self.SERVICE_SMOOTHING * (seconds - mean)
+
+    def retry_after(self, depth: int, parallel: int = 1) -> str:
+        """``Retry-After`` for a refused request: ``depth`` requests ahead (waiting + running) × the mean seconds per
+        request ÷ ``parallel`` (the requests decoded at once), rounded up, at least 1 s. Before any request is done,
+        the oldest running one's time so far stands in for the mean of the waiting ones (the running ones'
+        remainders unknown, counted as nothing)."""
+        mean, began = self.mean_service_seconds, self._service_began
+        parallel = max(1, parallel)
+        if mean is not None:
+            seconds = depth * mean / parallel
+        else:
+            elapsed = time.perf_counter() - began if began is not None else 0.0
+            seconds = max(0, depth - parallel) * elapsed / parallel
+        return str(max(1, math.ceil(seconds)))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

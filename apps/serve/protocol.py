@@ -15,7 +15,9 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, ValidationError,
+                      field_validator)
+from pydantic_core import PydanticCustomError
 
 Number = Annotated[float, Field(strict=False)]
 
@@ -38,23 +40,77 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+def lone_surrogate(payload: Any) -> ApiError | None:
+    """The first string in a parsed JSON body (keys included) holding a lone surrogate, as a 400 naming its field.
+
+    JSON may escape one (``"\\ud800"`` is valid JSON) and Python keeps it in the ``str``, but it is not Unicode text:
+    the tokenizer raises a TypeError on it and no response containing it can be encoded as UTF-8. Walked without
+    recursion: a body nested as deep as the JSON parser allows cannot overflow the stack here."""
+    stack: list[tuple[str, Any]] = [("", payload)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                where = where or "body"
+                return ApiError(400, f"{where}: contains a lone surrogate (\\u{ord(value[exc.start]):04x}); text must "
+                                     "be valid Unicode", param=where)
+        elif isinstance(value, dict):
+            items = [(f"{where}.{_printable(k)}" if where else _printable(k), v) for k, v in value.items()]
+            stack.extend(reversed(items))  # in document order: the first bad field is named
+            stack.extend((where or "body", k) for k in reversed(list(value)))  # keys first
+        elif isinstance(value, list):
+            stack.extend(reversed([(f"{where}.{i}" if where else str(i), v) for i, v in enumerate(value)]))
+    return None
+
+
+def _printable(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+_IMAGE_PARTS = {"image_url", "input_image", "image"}
+_TEXT_ONLY = "(this server serves a text-only model); send text parts only"
+
+
+def _content_part(value: Any) -> Any:
+    """A content part other than text is refused in one line (pydantic would only say the content is no string)."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind in _IMAGE_PARTS:
+        raise PydanticCustomError("part_unsupported", f"image parts are not supported {_TEXT_ONLY}")
+    if isinstance(kind, str) and kind != "text":
+        raise PydanticCustomError("part_unsupported", "'{kind}' parts are not supported " + _TEXT_ONLY,
+                                  {"kind": kind if len(kind) <= 40 else kind[:40] + "..."})
+    return value
+
+
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["text"]
     text: str
 
 
+ContentPart = Annotated[TextPart, BeforeValidator(_content_part)]
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    # a string or a list of text parts; one type, not a union, so a bad part is named by its index
+    # ("messages.0.content.1: ...") instead of pydantic's "content.str: Input should be a valid string"
+    content: list[ContentPart] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _string_or_parts(cls, value):
+        if isinstance(value, str):
+            return [{"type": "text", "text": value}]
+        if value is not None and not isinstance(value, list):
+            raise PydanticCustomError("content_type", "content must be a string or a list of content parts")
+        return value
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content or ())
 
 
 class _Sampled(BaseModel):

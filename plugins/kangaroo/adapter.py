@@ -113,6 +113,13 @@ def network_type(meta: dict) -> str:
     return str((meta.get("architecture") or {}).get("type", "attention"))
 
 
+
+def placement(model) -> dict:
+    """Where an adapter of ``model`` lives: the model's device and dtype (it reads the model's hidden states and
+    shares its head)."""
+    param = next(model.parameters())
+    return {"device": param.device, "dtype": param.dtype}
+
 class KangarooAdapter(nn.Module):
     """One attention block on the target's layer-l hidden states; returns states for the shared LM head.
 
@@ -165,7 +172,7 @@ class KangarooAdapter(nn.Module):
             adapter.mlp_norm.load_state_dict(family_of(model.config).mlp_norm(layer).state_dict())
         if separate_head:
             adapter.head.weight.data.copy_(model.lm_head.weight.data)
-        return adapter.to(next(model.parameters()).dtype)
+        return adapter.to(**placement(model))
 
     def architecture(self) -> dict:
         size = None if self.draft_vocab is None else len(self.draft_vocab)
@@ -302,7 +309,7 @@ class KangarooAdapter(nn.Module):
         if arch != expected:
             raise AdapterMismatchError(f"adapter {directory} architecture {arch} does not fit this model ({expected})")
         try:
-            adapter = cls(model.config, **variant, exit_layer=exit_layer).to(next(model.parameters()).dtype)
+            adapter = cls(model.config, **variant, exit_layer=exit_layer).to(**placement(model))
         except ValueError as exc:
             raise AdapterMismatchError(f"adapter {directory}: {exc}") from None
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import warnings
 from collections.abc import Sequence
@@ -125,6 +126,11 @@ class KangarooDrafter(SelfDrafter):
         self.runner = make_runner(backend, self.adapter, self.resolved_adapter, **self.onnx_export)
         # a deep-context adapter asks the engine for the target's deep states of the accepted positions
         self.wants_deep_states = adapter.reads_deep_states
+
+    def fork(self, backend: Backend) -> "KangarooDrafter":
+        clone = copy.copy(self)
+        clone.runner = self.runner.fork()
+        return clone
 
     @property
     def default_predictor(self) -> Path | None:

@@ -21,6 +21,8 @@ what the engine draws from and hands to the speculative verifier.
 
 from __future__ import annotations
 
+import copy
+
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -136,6 +138,14 @@ class HybridDrafter(SelfDrafter):
     def bind(self, backend: Backend) -> None:
         self.adapter.bind(backend)
         self.resolved_adapter = self.adapter.resolved_adapter
+
+    def fork(self, backend: Backend) -> "HybridDrafter":
+        clone = copy.copy(self)
+        clone.adapter = self.adapter.fork(backend)
+        clone.counts = {n: list(c) for n, c in self.counts.items()}
+        clone.pending, clone.verified, clone.sources = {}, None, dict(self.sources)
+        clone.index = NgramIndex(self.min_ngram, self.max_ngram)
+        return clone
 
     @property
     def default_predictor(self):

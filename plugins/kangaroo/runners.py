@@ -7,6 +7,8 @@ contract (explicit ``start``, crop).
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from kangaroo_backends.torch_eager import check_start
@@ -26,6 +28,11 @@ class TorchAdapterRunner(DraftRunner):
     @property
     def length(self) -> int:
         return self.cache.lengths[0]
+
+    def fork(self) -> "TorchAdapterRunner":
+        clone = copy.copy(self)  # the adapter and its drafting head are shared
+        clone.cache = self.adapter.new_cache()
+        return clone
 
     def reset(self) -> None:
         self.cache.reset()
@@ -113,6 +120,11 @@ class DeepContextTorchRunner(TorchAdapterRunner):
         super().__init__(adapter, shared_head)
         param = next(adapter.parameters())
         self.context = _DeepContext(adapter.config.hidden_size, param.device, param.dtype)
+
+    def fork(self) -> "DeepContextTorchRunner":
+        clone = super().fork()
+        clone.context = _DeepContext(self.context.hidden.shape[1], self.context.hidden.device, self.context.hidden.dtype)
+        return clone
 
     def reset(self) -> None:
         super().reset()

@@ -1,0 +1,281 @@
+"""Many streams at once: continuous batching in which each stream runs the single-stream loop unchanged.
+
+Every stream is an :class:`~kangaroo_core.engine.Engine` of its own (a forked drafter, a copy of the policy and
+tree shaper, its verifier and seed) on a :meth:`~kangaroo_core.interfaces.Backend.stream_view` of the backend (a KV
+slot), decoding in a thread of its own. Its backend calls do not run at once: they wait until every running stream
+waits for a pass, and then run merged — all pending M[:l] passes as one (:meth:`Backend.shallow_many`), or, when
+no stream is drafting any more, all pending verify passes of M[l:] as one (:meth:`Backend.deep_many`). A stream
+joins (its prompt prefilled alone) or leaves between passes while the others continue.
+
+Lossless by construction: each stream executes exactly the single-stream algorithm, and a backend whose merged
+pass computes every row as that stream's own pass would (the torch backend on CPU: see
+:mod:`kangaroo_backends.ragged`) makes its tokens identical to decoding the prompt alone, whatever shares its
+passes and whenever it joined. Stream threads run their own work one at a time (one compute lock), so two streams
+never compete for the cores. Policies and tree shapers are shallow-copied per stream: they keep per-round state in
+attributes they reassign.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any, Callable
+
+import attrs
+import torch
+
+from kangaroo_core.config import SamplingConfig
+from kangaroo_core.results import Emitted, GenerationResult
+
+
+class Cancelled(Exception):
+    """Raised inside a stream's thread when its consumer cancelled it."""
+
+
+@attrs.define
+class _Request:
+    kind: str  # "shallow" or "deep"
+    part: tuple
+    result: Any = None
+    error: BaseException | None = None
+    done: bool = False
+
+
+class _StreamBackend:
+    """A stream's backend: its :meth:`shallow` / :meth:`deep` wait for the batch's next merged pass; everything
+    else is its stream view's (its own cache)."""
+
+    def __init__(self, view, batch: "Batch", stream: "Stream"):
+        self._view, self._batch, self._stream = view, batch, stream
+
+    def __getattr__(self, name: str):
+        return getattr(self._view, name)
+
+    def shallow(self, token_ids, start, tree=None):
+        return self._batch._submit(self._stream, "shallow", (self._view, list(token_ids), start, tree))
+
+    def deep(self, hidden, start, rows=None, tree=None):
+        return self._batch._submit(self._stream, "deep", (self._view, hidden, start, rows, tree))
+
+
+class Stream(Iterator[str]):
+    """One prompt decoding in a :class:`Batch`: iterate for its text pieces (iterating drives the batch), or
+    :meth:`wait` for its :class:`GenerationResult`. ``on_tokens`` (given to :meth:`Batch.submit`) is called from
+    the stream's thread with each round's :class:`Emitted` tokens; :meth:`cancel` stops it before its next pass."""
+
+    def __init__(self, batch: "Batch", prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig | None,
+                 on_tokens: Callable[[Emitted], None] | None, key: Any):
+        self.batch, self.prompt_ids, self.max_new_tokens = batch, prompt_ids, max_new_tokens
+        self.sampling, self.on_tokens, self.key = sampling, on_tokens, key
+        self.result: GenerationResult | None = None
+        self.error: BaseException | None = None
+        self.cancelled = False
+        self.finished = threading.Event()
+        self.submitted, self.started_at = time.perf_counter(), None
+        self._pieces: queue.SimpleQueue = queue.SimpleQueue()
+        self._tokens: list[int] = []
+        self._text = ""
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.batch._wake()
+
+    def _emit(self, emitted: Emitted) -> None:
+        if self.on_tokens is not None:
+            self.on_tokens(emitted)
+        self._tokens.extend(emitted)
+        tokenizer = self.batch.engine.backend.tokenizer
+        if tokenizer is None:
+            return
+        text = tokenizer.decode(self._tokens, skip_special_tokens=True)
+        if not text.endswith("\ufffd") and text.startswith(self._text) and len(text) > len(self._text):
+            self._pieces.put(text[len(self._text):])
+            self._text = text
+
+    def wait(self) -> GenerationResult:
+        """Drive the batch until this stream ends; its result (raises its error, :class:`Cancelled` if cancelled)."""
+        while not self.finished.is_set():
+            self.batch.step()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+    def __next__(self) -> str:
+        while True:
+            try:
+                return self._pieces.get_nowait()
+            except queue.Empty:
+                pass
+            if self.finished.is_set():
+                if self.error is not None:
+                    raise self.error
+                tail = self.result.text[len(self._text):] if self.result.text.startswith(self._text) else ""
+                self._text += tail
+                if tail:
+                    return tail
+                raise StopIteration
+            self.batch.step()
+
+
+class Batch:
+    """Up to ``max_batch`` streams of ``engine`` decoding together; more wait in line (first come, first served).
+
+    ``submit`` adds a stream (a prompt, a token budget, its own sampling settings and seed); ``step`` runs one merged
+    pass (call it from one thread: a stream's iteration and :meth:`Stream.wait` do); ``generate`` is the blocking
+    form. ``passes`` and ``rows`` count merged passes and the stream passes they held (rows per pass = their ratio).
+    """
+
+    def __init__(self, engine, max_batch: int = 4):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.engine, self.max_batch = engine, max_batch
+        self._cond = threading.Condition()
+        self._compute = threading.Lock()  # one stream thread computes at a time
+        self._pending: list[tuple[Stream, _Request]] = []
+        self._line: collections.deque[Stream] = collections.deque()
+        self._running: set[Stream] = set()
+        self._views: list = []  # stream views (KV slots) of finished streams, reused
+        self.passes = self.streams_per_pass = 0
+        self.sizes: list[int] = []  # streams in each merged pass
+
+    # -- streams ------------------------------------------------------------------------------------------------------
+    def submit(self, prompt, *, chat: bool = True, max_new_tokens: int | None = None,
+               sampling: SamplingConfig | None = None, on_tokens: Callable[[Emitted], None] | None = None,
+               key: Any = None) -> Stream:
+        """Queue a prompt (text, chat messages, or token ids as a list of ints); returns its :class:`Stream`."""
+        ids = list(prompt) if _is_ids(prompt) else self.engine.encode(prompt, chat=chat)
+        budget = self.engine._budget(max_new_tokens)
+        self.engine._check_fits(len(ids), budget)
+        stream = Stream(self, ids, budget, sampling, on_tokens, key)
+        with self._cond:
+            self._line.append(stream)
+            self._cond.notify_all()
+        return stream
+
+    def generate(self, prompts: Sequence, **options: Any) -> list[GenerationResult]:
+        """Decode every prompt (up to ``max_batch`` at once); results in input order."""
+        streams = [self.submit(p, **options) for p in prompts]
+        return [s.wait() for s in streams]
+
+    def _engine_for(self, stream: Stream, view):
+        base = self.engine
+        clone = copy.copy(base)
+        clone.backend = _StreamBackend(view, self, stream)
+        clone.drafter = None if base.drafter is None else base.drafter.fork(view)
+        clone.policy = copy.copy(base.policy)
+        clone.tree = copy.copy(base.tree)
+        if stream.sampling is not None and stream.sampling != base.config.sampling:
+            clone = clone.with_sampling(stream.sampling)
+        else:
+            clone.verifier = copy.copy(base.verifier)  # its generator is per generation: one verifier per stream
+        return clone
+
+    def _admit(self) -> None:
+        """Start queued streams while there is room (called with the lock held)."""
+        while self._line and len(self._running) < self.max_batch:
+            stream = self._line.popleft()
+            if stream.cancelled:
+                stream.error = Cancelled()
+                stream.finished.set()
+                continue
+            view = self._views.pop() if self._views else self.engine.backend.stream_view()
+            self._running.add(stream)
+            threading.Thread(target=self._run, args=(stream, view), daemon=True,
+                             name=f"kangaroo-stream-{stream.key}").start()
+
+    def _run(self, stream: Stream, view) -> None:
+        self._compute.acquire()
+        loop = None
+        try:
+            stream.started_at = time.perf_counter()
+            engine = self._engine_for(stream, view)
+            loop = engine.decode(stream.prompt_ids, stream.max_new_tokens)
+            while True:
+                try:
+                    emitted = next(loop)
+                except StopIteration as stop:
+                    stream.result = stop.value
+                    break
+                stream._emit(emitted)
+                if stream.cancelled:
+                    raise Cancelled()
+        except BaseException as exc:  # the stream's error is its consumer's; the batch goes on
+            stream.error = exc
+        finally:
+            if loop is not None:
+                loop.close()
+            self._compute.release()
+            with self._cond:
+                self._running.discard(stream)
+                self._views.append(view)
+                stream.finished.set()
+                self._cond.notify_all()
+
+    def _submit(self, stream: Stream, kind: str, part: tuple):
+        """Called from a stream's thread: wait for the merged pass that runs this request."""
+        if stream.cancelled:
+            raise Cancelled()
+        request = _Request(kind, part)
+        self._compute.release()
+        try:
+            with self._cond:
+                self._pending.append((stream, request))
+                self._cond.notify_all()
+                while not request.done:
+                    self._cond.wait()
+        finally:
+            self._compute.acquire()
+        if request.error is not None:
+            raise request.error
+        return request.result
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    # -- passes ---------------------------------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Admit waiting streams, then run one merged pass once every running stream waits for one. False when
+        nothing is running or waiting."""
+        with self._cond:
+            self._admit()
+            while self._running and len(self._pending) < len(self._running):
+                self._cond.wait(timeout=0.5)
+                self._admit()
+            if not self._running:
+                return bool(self._line)
+            drafting = [(s, r) for s, r in self._pending if r.kind == "shallow"]
+            chosen = drafting or list(self._pending)  # verify passes wait for every stream to finish drafting
+            self._pending = [p for p in self._pending if p not in chosen]
+        requests = [r for _, r in chosen]
+        try:
+            backend = self.engine.backend
+            run = backend.shallow_many if requests[0].kind == "shallow" else backend.deep_many
+            with torch.inference_mode():
+                results = run([r.part for r in requests])
+            for request, result in zip(requests, results):
+                request.result = result
+        except BaseException as exc:  # e.g. out of memory: every stream of the pass gets the error
+            for request in requests:
+                request.error = exc
+        self.passes += 1
+        self.streams_per_pass += len(requests)
+        self.sizes.append(len(requests))
+        with self._cond:
+            for request in requests:
+                request.done = True
+            self._cond.notify_all()
+        return True
+
+    def run(self) -> None:
+        """Step until every submitted stream has finished."""
+        while self.step():
+            pass
+
+
+def _is_ids(prompt) -> bool:
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(t, int) for t in prompt)
