@@ -73,18 +73,26 @@ class PassGraph:
     ``run(**inputs)`` copies the inputs into the static buffers and replays (CUDA) or calls the function (CPU);
     the outputs are fresh tensors (a replay overwrites the graph's own output buffers)."""
 
-    def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]], inputs: dict[str, torch.Tensor],
-                 capture: bool, pool=None):
+    def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]], inputs: dict[str, torch.Tensor], capture: bool):
         self.fn = fn
         self.static = {name: torch.zeros_like(value) for name, value in inputs.items()}
         self.capture = capture
-        self.pool = pool
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: tuple[torch.Tensor, ...] = ()
 
     def run(self, **inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         for name, value in inputs.items():
             self.static[name].copy_(value)
+        return self._replay()
+
+    def run_prefix(self, **inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """:meth:`run` with each input copied into the leading rows of its buffer (the rest keeps the previous
+        pass's values: finite, and in rows whose results are dropped)."""
+        for name, value in inputs.items():
+            self.static[name][: value.shape[0]].copy_(value)
+        return self._replay()
+
+    def _replay(self) -> tuple[torch.Tensor, ...]:
         if not self.capture:
             return self.fn(**self.static)
         if self.graph is None:
@@ -100,8 +108,13 @@ class PassGraph:
                 self.fn(**self.static)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=self.pool):
+        with torch.cuda.graph(self.graph):
             self.outputs = self.fn(**self.static)
+
+
+def slots_like(device) -> torch.Tensor:
+    """The buffer of a chain pass's first slot (one long)."""
+    return torch.zeros(1, dtype=torch.long, device=device)
 
 
 def padded_mask(mask: torch.Tensor | None, rows: int, width: int, start: int, capacity: int,

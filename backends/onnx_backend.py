@@ -23,6 +23,8 @@ onnxruntime is imported lazily: the rest of kangaroo works without it, and this 
 
 from __future__ import annotations
 
+import copy
+
 import json
 import os
 import sys
@@ -241,6 +243,14 @@ class GraphRunner:
         self.capacity = min(256, max_positions)
         self.cache = [torch.empty(1, self.capacity, *self.kv_shape, device=device) for _ in range(2 * self.layers)]
         self.length = 0
+
+    def fork(self) -> "GraphRunner":
+        """The same graph (session shared) with KV buffers of its own: one per stream decoded in a batch."""
+        clone = copy.copy(self)
+        clone.binder = Binder(self.device)
+        clone.cache = [torch.empty_like(buffer) for buffer in self.cache]
+        clone.length = 0
+        return clone
 
     def reset(self) -> None:
         self.length = 0
@@ -556,6 +566,14 @@ class OnnxBackend(Backend):
                               "revision 6); re-export it")
         self.shallow_runner, self.deep_runner, self.head_runner = runners["shallow"], runners["deep"], runners["head"]
         self.manifest = manifest
+
+    def stream_view(self) -> "OnnxBackend":
+        """This backend with KV buffers of its own (sessions and weights shared); its passes run one stream at a time
+        (:meth:`Backend.shallow_many`'s default): continuous batching, passes not merged."""
+        self._ensure()
+        view = copy.copy(self)
+        view.shallow_runner, view.deep_runner = self.shallow_runner.fork(), self.deep_runner.fork()
+        return view
 
     # -- cache -----------------------------------------------------------------------------------------------------
     def reset(self) -> None:

@@ -19,7 +19,7 @@ import torch
 from kangaroo_backends.devices import resolve_dtype
 from kangaroo_backends.families import FULL, SLIDING, family_of, layer_kinds, rotary_embeddings, sliding_window
 from kangaroo_backends.fast_layers import EXACT_ROWS, fast_layers
-from kangaroo_backends.graph_passes import MAX_WIDTH, PassGraph, StaticKVCache, padded_mask, width_for
+from kangaroo_backends.graph_passes import MAX_WIDTH, PassGraph, StaticKVCache, padded_mask, slots_like, width_for
 from kangaroo_backends.kv_cache import KVCache, causal_mask
 from kangaroo_backends.loading import load_model
 from kangaroo_backends.native import small_batch_attention, small_batch_kernel
@@ -153,7 +153,6 @@ class TorchBackend(Backend):
         self.final_norm = inner.norm
         if self.use_graphs:  # a pass at the last position still writes a whole width of slots
             self.max_context = min(self.max_context, cache_size - MAX_WIDTH)
-            self.graph_pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self.cache = self._new_cache()
         self.pass_graphs: dict = {}  # (part, width) -> PassGraph, made at first use (captured path)
 
@@ -245,6 +244,22 @@ class TorchBackend(Backend):
                                                masks))[0]
         return self.lm_head(out), out
 
+    def _chain_fn(self, fn):
+        """``fn`` for a chain pass whose slots, positions and masks are computed from ``start`` on the device (so a
+        captured chain pass takes two small copies from the host: its rows and where they start)."""
+        def chain(x, start):
+            slots = start + torch.arange(x.shape[0], device=self.device)
+            keys = torch.arange(self.cache.capacity, device=self.device)[None]
+            causal = keys <= slots[:, None]
+            zero = torch.zeros((), dtype=self.dtype, device=self.device)
+            low = torch.full((), torch.finfo(self.dtype).min, dtype=self.dtype, device=self.device)
+            masks = {}
+            for kind in set(self.shallow_kinds if fn == self._shallow_fn else self.deep_kinds):
+                seen = causal & (keys > slots[:, None] - self.window) if kind == SLIDING else causal
+                masks[kind] = torch.where(seen, zero, low)[None, None]
+            return fn(x, slots, slots[None], **masks)
+        return chain
+
     def _pass(self, part: str, x: torch.Tensor, start: int, tree) -> tuple[torch.Tensor, ...]:
         """Run the shallow or deep ``part`` over ``x`` (ids [n] or states [n, d]) at ``start``; on the captured path
         padded to its width (see :mod:`kangaroo_backends.graph_passes`)."""
@@ -252,10 +267,21 @@ class TorchBackend(Backend):
         kinds = self.shallow_kinds if shallow else self.deep_kinds
         fn = self._shallow_fn if shallow else self._deep_fn
         n = x.shape[0]
+        width = width_for(n, self.graph_rows) if self.use_graphs else None
+        if width is not None and tree is None:  # a captured chain pass: rows and start in, the rest on the device
+            key = (part, width, "chain")
+            if key not in self.pass_graphs:
+                rows = torch.zeros((width, *x.shape[1:]), dtype=x.dtype, device=self.device)
+                self.pass_graphs[key] = PassGraph(self._chain_fn(fn), {"x": rows, "start": slots_like(self.device)},
+                                                  capture=self.device.type == "cuda")
+            out = tuple(t[:n] for t in self.pass_graphs[key].run_prefix(x=x, start=torch.tensor([start])))
+            self.cache.advance(range(0, self.exit_layer) if shallow else range(self.exit_layer, self.num_layers),
+                               start + n)
+            return out
         slots, position_ids, masks = self._pass_inputs(kinds, n, start, tree)
         if not self.use_graphs:
             out = fn(x, slots, position_ids, **masks)
-        elif (width := width_for(n, self.graph_rows)) is None:  # a prompt: once, at its own length
+        elif width is None:  # a prompt: once, at its own length
             out = fn(x, slots, position_ids, **{k: padded_mask(m, n, n, start, self.cache.capacity, self.dtype,
                                                                self.device) for k, m in masks.items()})
         else:
@@ -267,7 +293,7 @@ class TorchBackend(Backend):
                          for k, m in masks.items()}}
             key = (part, width)
             if key not in self.pass_graphs:
-                self.pass_graphs[key] = PassGraph(fn, inputs, capture=self.device.type == "cuda", pool=self.graph_pool)
+                self.pass_graphs[key] = PassGraph(fn, inputs, capture=self.device.type == "cuda")
             out = tuple(t[:n] for t in self.pass_graphs[key].run(**inputs))
         if self.use_graphs:
             self.cache.advance(range(0, self.exit_layer) if shallow else range(self.exit_layer, self.num_layers),

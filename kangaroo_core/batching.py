@@ -2,17 +2,18 @@
 
 Every stream is an :class:`~kangaroo_core.engine.Engine` of its own (a forked drafter, a copy of the policy and
 tree shaper, its verifier and seed) on a :meth:`~kangaroo_core.interfaces.Backend.stream_view` of the backend (a KV
-slot), decoding in a thread of its own. Its backend calls do not run at once: they wait until every running stream
-waits for a pass, and then run merged — all pending M[:l] passes as one (:meth:`Backend.shallow_many`), or, when
+slot), decoding in a greenlet of its own. Its backend calls do not run at once: they wait until every running
+stream waits for a pass, and then run merged — all pending M[:l] passes as one (:meth:`Backend.shallow_many`), or, when
 no stream is drafting any more, all pending verify passes of M[l:] as one (:meth:`Backend.deep_many`). A stream
 joins (its prompt prefilled alone) or leaves between passes while the others continue.
 
 Lossless by construction: each stream executes exactly the single-stream algorithm, and a backend whose merged
 pass computes every row as that stream's own pass would (the torch backend on CPU: see
 :mod:`kangaroo_backends.ragged`) makes its tokens identical to decoding the prompt alone, whatever shares its
-passes and whenever it joined. Stream threads run their own work one at a time (one compute lock), so two streams
-never compete for the cores. Policies and tree shapers are shallow-copied per stream: they keep per-round state in
-attributes they reassign.
+passes and whenever it joined. Greenlets, not threads: every stream's work and every pass runs on the thread that
+drives the batch, one at a time, so streams never compete for the cores and torch keeps one OpenMP team (idle
+teams of other threads slowed each pass by half, measured). Drive a batch from one thread. Policies and tree
+shapers are shallow-copied per stream: they keep per-round state in attributes they reassign.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Callable
 
 import attrs
+import greenlet
 import torch
 
-from kangaroo_core.config import SamplingConfig
+from kangaroo_core.config import ConfigError, SamplingConfig
+from kangaroo_core.interfaces import SelfDrafter
 from kangaroo_core.results import Emitted, GenerationResult
 
 
@@ -64,8 +67,9 @@ class _StreamBackend:
 
 class Stream(Iterator[str]):
     """One prompt decoding in a :class:`Batch`: iterate for its text pieces (iterating drives the batch), or
-    :meth:`wait` for its :class:`GenerationResult`. ``on_tokens`` (given to :meth:`Batch.submit`) is called from
-    the stream's thread with each round's :class:`Emitted` tokens; :meth:`cancel` stops it before its next pass."""
+    :meth:`wait` for its :class:`GenerationResult`. ``on_tokens`` (given to :meth:`Batch.submit`) is called with
+    each round's :class:`Emitted` tokens (on the thread that drives the batch); :meth:`cancel` stops it before its
+    next pass."""
 
     def __init__(self, batch: "Batch", prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig | None,
                  on_tokens: Callable[[Emitted], None] | None, key: Any):
@@ -81,8 +85,8 @@ class Stream(Iterator[str]):
         self._text = ""
 
     def cancel(self) -> None:
+        """Stop before its next pass (any thread may cancel)."""
         self.cancelled = True
-        self.batch._wake()
 
     def _emit(self, emitted: Emitted) -> None:
         if self.on_tokens is not None:
@@ -124,23 +128,32 @@ class Stream(Iterator[str]):
 class Batch:
     """Up to ``max_batch`` streams of ``engine`` decoding together; more wait in line (first come, first served).
 
-    ``submit`` adds a stream (a prompt, a token budget, its own sampling settings and seed); ``step`` runs one merged
-    pass (call it from one thread: a stream's iteration and :meth:`Stream.wait` do); ``generate`` is the blocking
-    form. ``passes`` and ``rows`` count merged passes and the stream passes they held (rows per pass = their ratio).
+    ``submit`` adds a stream (a prompt, a token budget, its own sampling settings and seed; any thread may submit);
+    ``step`` runs the streams up to their next backend call and then one merged pass (drive it from one thread: a
+    stream's iteration and :meth:`Stream.wait` do); ``generate`` is the blocking form. ``passes`` counts merged
+    passes, ``streams_per_pass`` the stream passes they held, ``sizes`` the streams in each.
     """
 
     def __init__(self, engine, max_batch: int = 4):
         if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+            raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
+        drafter = engine.drafter
+        if drafter is not None and type(drafter).fork is SelfDrafter.fork:
+            raise ConfigError(f"the '{drafter.name or type(drafter).__name__}' drafter cannot decode several streams "
+                              "at once (it has no fork())")
         self.engine, self.max_batch = engine, max_batch
-        self._cond = threading.Condition()
-        self._compute = threading.Lock()  # one stream thread computes at a time
-        self._pending: list[tuple[Stream, _Request]] = []
+        self._lock = threading.Lock()  # guards the line (submit may come from other threads)
         self._line: collections.deque[Stream] = collections.deque()
-        self._running: set[Stream] = set()
-        self._views: list = []  # stream views (KV slots) of finished streams, reused
+        self._running: dict[Stream, greenlet.greenlet] = {}
+        self._ready: list[Stream] = []  # streams to resume (new ones, and those whose pass has run)
+        self._pending: list[tuple[Stream, _Request]] = []
+        try:  # stream views (KV slots) of finished streams, reused; the first one made now, to refuse early
+            self._views: list = [engine.backend.stream_view()]
+        except NotImplementedError as exc:
+            raise ConfigError(str(exc)) from None
+        self._hub: greenlet.greenlet | None = None
         self.passes = self.streams_per_pass = 0
-        self.sizes: list[int] = []  # streams in each merged pass
+        self.sizes: list[int] = []
 
     # -- streams ------------------------------------------------------------------------------------------------------
     def submit(self, prompt, *, chat: bool = True, max_new_tokens: int | None = None,
@@ -151,15 +164,18 @@ class Batch:
         budget = self.engine._budget(max_new_tokens)
         self.engine._check_fits(len(ids), budget)
         stream = Stream(self, ids, budget, sampling, on_tokens, key)
-        with self._cond:
+        with self._lock:
             self._line.append(stream)
-            self._cond.notify_all()
         return stream
 
     def generate(self, prompts: Sequence, **options: Any) -> list[GenerationResult]:
         """Decode every prompt (up to ``max_batch`` at once); results in input order."""
         streams = [self.submit(p, **options) for p in prompts]
         return [s.wait() for s in streams]
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
 
     def _engine_for(self, stream: Stream, view):
         base = self.engine
@@ -175,25 +191,23 @@ class Batch:
         return clone
 
     def _admit(self) -> None:
-        """Start queued streams while there is room (called with the lock held)."""
-        while self._line and len(self._running) < self.max_batch:
-            stream = self._line.popleft()
-            if stream.cancelled:
-                stream.error = Cancelled()
-                stream.finished.set()
-                continue
-            view = self._views.pop() if self._views else self.engine.backend.stream_view()
-            self._running.add(stream)
-            threading.Thread(target=self._run, args=(stream, view), daemon=True,
-                             name=f"kangaroo-stream-{stream.key}").start()
+        """Start queued streams while there is room."""
+        with self._lock:
+            while self._line and len(self._running) < self.max_batch:
+                stream = self._line.popleft()
+                if stream.cancelled:
+                    stream.error = Cancelled()
+                    stream.finished.set()
+                    continue
+                view = self._views.pop() if self._views else self.engine.backend.stream_view()
+                self._running[stream] = greenlet.greenlet(lambda s=stream, v=view: self._run(s, v))
+                self._ready.append(stream)
 
     def _run(self, stream: Stream, view) -> None:
-        self._compute.acquire()
         loop = None
         try:
             stream.started_at = time.perf_counter()
-            engine = self._engine_for(stream, view)
-            loop = engine.decode(stream.prompt_ids, stream.max_new_tokens)
+            loop = self._engine_for(stream, view).decode(stream.prompt_ids, stream.max_new_tokens)
             while True:
                 try:
                     emitted = next(loop)
@@ -208,50 +222,47 @@ class Batch:
         finally:
             if loop is not None:
                 loop.close()
-            self._compute.release()
-            with self._cond:
-                self._running.discard(stream)
-                self._views.append(view)
-                stream.finished.set()
-                self._cond.notify_all()
+            del self._running[stream]
+            self._views.append(view)
+            stream.finished.set()
 
     def _submit(self, stream: Stream, kind: str, part: tuple):
-        """Called from a stream's thread: wait for the merged pass that runs this request."""
+        """Called inside a stream's greenlet: hand over to the batch until the merged pass that runs this request."""
         if stream.cancelled:
             raise Cancelled()
         request = _Request(kind, part)
-        self._compute.release()
-        try:
-            with self._cond:
-                self._pending.append((stream, request))
-                self._cond.notify_all()
-                while not request.done:
-                    self._cond.wait()
-        finally:
-            self._compute.acquire()
+        self._pending.append((stream, request))
+        self._hub.switch()
         if request.error is not None:
             raise request.error
         return request.result
 
-    def _wake(self) -> None:
-        with self._cond:
-            self._cond.notify_all()
-
     # -- passes ---------------------------------------------------------------------------------------------------------
     def step(self) -> bool:
-        """Admit waiting streams, then run one merged pass once every running stream waits for one. False when
+        """Admit waiting streams, run every stream up to its next backend call, then one merged pass. False when
         nothing is running or waiting."""
-        with self._cond:
-            self._admit()
-            while self._running and len(self._pending) < len(self._running):
-                self._cond.wait(timeout=0.5)
-                self._admit()
-            if not self._running:
-                return bool(self._line)
-            drafting = [(s, r) for s, r in self._pending if r.kind == "shallow"]
-            chosen = drafting or list(self._pending)  # verify passes wait for every stream to finish drafting
-            self._pending = [p for p in self._pending if p not in chosen]
-        requests = [r for _, r in chosen]
+        self._hub = greenlet.getcurrent()
+        self._admit()
+        while self._ready:
+            ready, self._ready = self._ready, []
+            for stream in ready:
+                self._running[stream].switch()  # back here at its next backend call, or when it ends
+            self._admit()  # finished streams made room
+        if not self._pending:
+            return bool(self._running or self._line)
+        drafting = [(s, r) for s, r in self._pending if r.kind == "shallow"]
+        chosen = drafting or list(self._pending)  # verify passes wait for every stream to finish drafting
+        self._pending = [p for p in self._pending if p not in chosen]
+        cancelled = [(s, r) for s, r in chosen if s.cancelled]
+        for _, request in cancelled:
+            request.error = Cancelled()
+        chosen = [c for c in chosen if c not in cancelled]
+        if chosen:
+            self._run_pass([r for _, r in chosen])
+        self._ready.extend(s for s, _ in cancelled + chosen)
+        return True
+
+    def _run_pass(self, requests: list[_Request]) -> None:
         try:
             backend = self.engine.backend
             run = backend.shallow_many if requests[0].kind == "shallow" else backend.deep_many
@@ -259,17 +270,12 @@ class Batch:
                 results = run([r.part for r in requests])
             for request, result in zip(requests, results):
                 request.result = result
-        except BaseException as exc:  # e.g. out of memory: every stream of the pass gets the error
+        except Exception as exc:  # e.g. out of memory: every stream of the pass gets the error
             for request in requests:
                 request.error = exc
         self.passes += 1
         self.streams_per_pass += len(requests)
         self.sizes.append(len(requests))
-        with self._cond:
-            for request in requests:
-                request.done = True
-            self._cond.notify_all()
-        return True
 
     def run(self) -> None:
         """Step until every submitted stream has finished."""

@@ -8,6 +8,7 @@ target alone, Kangaroo chains, token trees and sampling with seeds. The merged p
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -171,3 +172,34 @@ def test_bench_concurrency_writes_the_table_with_identity_per_stream(tiny_model_
                                                            ("kangaroo", 3)]
     assert all(r["identical_to_alone"] == 4 and r["identical_to_target_alone"] == 4 for r in rows)
     assert rows[1]["streams_per_pass"] > 1.5 and "| kangaroo | 3 |" in (out / "concurrency.md").read_text()
+
+
+def test_a_backend_or_drafter_that_cannot_batch_is_refused_in_one_line():
+    from kangaroo_apps.testing import ScriptedDrafter
+    from kangaroo_core.config import ConfigError
+
+    alone, _, _ = engines("llama")
+    with pytest.raises(ConfigError, match="max_batch must be >= 1"):
+        alone.batch(0)
+    scripted = Engine(alone.backend, ScriptedDrafter([1, 2, 3], 64), alone.policy, alone.verifier, alone.config)
+    with pytest.raises(ConfigError, match="drafter cannot decode several streams at once"):
+        scripted.batch(2)
+    view_less = copy.copy(alone)
+    view_less.backend = _NoViews(alone.backend)
+    with pytest.raises(ConfigError, match="cannot decode several streams at once"):
+        view_less.batch(2)
+
+
+class _NoViews:
+    """A backend without stream views (the contract's default)."""
+
+    def __init__(self, backend):
+        self._backend = backend
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+    def stream_view(self):
+        from kangaroo_core.interfaces import Backend
+
+        return Backend.stream_view(self)

@@ -601,3 +601,26 @@ def test_every_c_source_ships_with_the_package():
     root = Path(__file__).resolve().parents[1]
     listed = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     assert set(listed["kangaroo_backends"]) == {p.name for p in (root / "backends").glob("*.c")}
+
+
+@needs_ort
+def test_many_streams_on_onnx_decode_what_each_decodes_alone(bundles, tmp_path, one_torch_thread):
+    """Continuous batching on onnxruntime (each stream its own KV buffers, passes one stream at a time): every
+    stream equals its prompt decoded alone, target alone and Kangaroo (the deep-context adapter's graph too)."""
+    import random
+
+    from kangaroo_plugins.kangaroo.deep_context import DeepContextAdapter
+    from kangaroo_backends.torch_eager import model_fingerprint
+
+    backend = onnx_backend(0, 1, bundles(0, 1))
+    directory = tmp_path / "deep"
+    DeepContextAdapter.from_base_layer(model(0), 1, ffn=True).save(directory, base_fingerprint=model_fingerprint(model(0)),
+                                                                  exit_layer=1)
+    engines = [Engine(backend, None, ThresholdPolicy(eta=0.0), GreedyVerifier(), DecodeConfig(exit_layer=1)),
+               kangaroo_engine(backend, 1, 0.0, 4), kangaroo_engine(backend, 1, 0.0, 3, KangarooDrafter(str(directory)))]
+    prompts = [[random.Random(s).randrange(1, 60) for _ in range(3 + s)] for s in range(5)]
+    for engine in engines:
+        alone = [engine.generate_ids(p, 16).token_ids for p in prompts]
+        batch = engine.batch(3)
+        assert [r.token_ids for r in batch.generate(prompts, max_new_tokens=16)] == alone
+        assert max(batch.sizes) == 3  # three streams per step (their passes run one after another on onnx)

@@ -214,6 +214,11 @@ class OnnxAdapterRunner(DraftRunner):
     def length(self) -> int:
         return self.graph.length
 
+    def fork(self) -> "OnnxAdapterRunner":
+        clone = copy.copy(self)  # the session is shared
+        clone.graph = self.graph.fork()
+        return clone
+
     def reset(self) -> None:
         self.graph.reset()
 
@@ -245,6 +250,11 @@ class DeepContextOnnxRunner(OnnxAdapterRunner):
     def __init__(self, backend: Backend, adapter, adapter_path: str | None, *, opset: int, tolerance: float):
         super().__init__(backend, adapter, adapter_path, opset=opset, tolerance=tolerance)
         self.context = _DeepContext(self.hidden_size, self.device, torch.float32)
+
+    def fork(self) -> "DeepContextOnnxRunner":
+        clone = super().fork()
+        clone.context = _DeepContext(self.hidden_size, self.device, torch.float32)
+        return clone
 
     def reset(self) -> None:
         super().reset()
