@@ -228,3 +228,27 @@ def test_token_trees_on_onnxruntime_match_the_target_alone(smollm, references):
             assert result.token_ids == alone.token_ids, (label, prompt)
             rates.setdefault(label, []).append(result.mean_accepted_tokens)
     assert sum(rates["wide"]) > sum(rates["chain"])
+
+
+def test_many_streams_and_the_captured_path_on_the_real_model(smollm, references):
+    """SmolLM2: 5 prompts decoding 4 at a time (target alone and Kangaroo, continuous batching, merged passes) and
+    the captured path on the CPU (graphs on) are token-identical to each prompt decoded alone, eagerly."""
+    from kangaroo_backends.torch_eager import TorchBackend
+    from kangaroo_core.config import DecodeConfig
+    from kangaroo_core.engine import Engine
+
+    model, tokenizer, name = smollm
+    prompts = [references[p][0] for p in PROMPTS[:5]]
+    eager = {}
+    for graphs in ("off", "on"):
+        backend = TorchBackend(model, tokenizer, 2, name, graphs=graphs, cache_size=512)
+        for drafter in (None, "kangaroo-hybrid"):
+            engine = Engine.build(backend=backend, drafter=drafter, config=DecodeConfig(exit_layer=2))
+            alone = [engine.generate_ids(ids, 40).token_ids for ids in prompts]
+            if graphs == "on":
+                assert alone == eager[drafter], drafter
+                continue
+            eager[drafter] = alone
+            batch = engine.batch(4)
+            assert [r.token_ids for r in batch.generate(prompts, max_new_tokens=40)] == alone, drafter
+            assert batch.streams_per_pass > batch.passes  # merged: more than one stream per pass on average

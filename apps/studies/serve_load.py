@@ -46,13 +46,14 @@ class Outcome:
     error: str | None = None
     seconds: float = 0.0
     tokens: int = 0
+    first_token: float | None = None  # seconds from sending to the first text
 
 
-def plan(prompts: list[str], clients: int, requests: int) -> list[Spec]:
+def plan(prompts: list[str], clients: int, requests: int, greedy: bool = False) -> list[Spec]:
     specs = []
     for client in range(clients):
         for index in range(requests):
-            sampled = (client + index) % 2 == 1
+            sampled = (client + index) % 2 == 1 and not greedy
             prompt = prompts[(client * requests + index) % len(prompts)]
             specs.append(Spec(client, index, prompt, 0.8 if sampled else 0.0, 1000 * client + index if sampled else None))
     return specs
@@ -74,6 +75,8 @@ def send(client, model: str, spec: Spec, max_tokens: int, max_retries: int = 120
                 if chunk.usage is not None:
                     outcome.tokens = chunk.usage.completion_tokens
                 if chunk.choices:
+                    if chunk.choices[0].delta.content and outcome.first_token is None:
+                        outcome.first_token = time.perf_counter() - started
                     pieces.append(chunk.choices[0].delta.content or "")
                     outcome.finish = chunk.choices[0].finish_reason or outcome.finish
             outcome.text, outcome.whole = "".join(pieces), outcome.finish is not None
@@ -93,14 +96,14 @@ def send(client, model: str, spec: Spec, max_tokens: int, max_retries: int = 120
 
 
 def run_load(url: str, prompts: list[str], *, clients: int = 16, requests: int = 4, max_tokens: int = 48,
-             progress=None) -> dict:
+             progress=None, greedy: bool = False) -> dict:
     """Run the load and the checks; returns the report (see the module docstring)."""
     import httpx
     import openai
 
     client = openai.OpenAI(base_url=url.rstrip("/") + "/v1", api_key="unused", max_retries=0, timeout=600)
     model = client.models.list().data[0].id
-    specs = plan(prompts, clients, requests)
+    specs = plan(prompts, clients, requests, greedy)
     outcomes: dict[Spec, Outcome] = {}
     lock = threading.Lock()
 
@@ -140,6 +143,7 @@ def run_load(url: str, prompts: list[str], *, clients: int = 16, requests: int =
         "errors": errors, "finish_reasons": dict(Counter(o.finish for o in outcomes.values())),
         "load_seconds": round(load_seconds, 2),
         "new_tokens_per_second_under_load": round(sum(o.tokens for o in outcomes.values()) / load_seconds, 2),
+        "first_token_seconds": sorted(round(o.first_token, 2) for o in outcomes.values() if o.first_token is not None),
         "health_after": health.status_code == 200 and health.json().get("status") == "ok",
     }
 
@@ -157,8 +161,9 @@ def passed(report: dict) -> bool:
 @click.option("--clients", type=int, default=16, show_default=True)
 @click.option("--requests", type=int, default=4, show_default=True, help="Requests per client.")
 @click.option("--max-tokens", type=int, default=48, show_default=True)
+@click.option("--greedy", is_flag=True, help="Every request greedy (default: every other one sampled, seeded).")
 @click.option("--out", default=None, help="Also write the report as JSON here.")
-def main(url, questions, clients, requests, max_tokens, out) -> None:
+def main(url, questions, clients, requests, max_tokens, greedy, out) -> None:
     """Load-test a running kangaroo server; exit 1 unless every check passes."""
     from tqdm import tqdm
 
@@ -166,10 +171,10 @@ def main(url, questions, clients, requests, max_tokens, out) -> None:
 
     prompts = [q.turns[0] for q in load_questions(questions)]
     total = clients * requests
-    with tqdm(total=total + len({(p.prompt, p.temperature, p.seed) for p in plan(prompts, clients, requests)}),
-              desc="load + single-client reruns", unit="req", file=sys.stderr) as bar:
+    distinct = {(p.prompt, p.temperature, p.seed) for p in plan(prompts, clients, requests, greedy)}
+    with tqdm(total=total + len(distinct), desc="load + single-client reruns", unit="req", file=sys.stderr) as bar:
         report = run_load(url, prompts, clients=clients, requests=requests, max_tokens=max_tokens,
-                          progress=bar.update)
+                          progress=bar.update, greedy=greedy)
     text = json.dumps(report, indent=2)
     click.echo(text)
     if out:
