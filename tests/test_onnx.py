@@ -480,7 +480,7 @@ def test_onnx_options_are_validated_once_when_made_in_one_line():
     assert (OnnxOptions().level, OnnxOptions(weights="gguf").level) == (0, 1)
     parameters = inspect.signature(OnnxBackend.create).parameters.values()
     assert not any(p.kind is p.VAR_KEYWORD for p in parameters)  # an unknown option is refused by its signature
-    assert [p.name for p in parameters][2:] == ["dtype", *attrs.fields_dict(OnnxOptions)]
+    assert [p.name for p in parameters][2:] == ["device", "dtype", *attrs.fields_dict(OnnxOptions)]
 
 
 @needs_ort
