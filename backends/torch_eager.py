@@ -239,12 +239,16 @@ class TorchBackend(Backend):
         hidden = self.embed_tokens(ids[None])
         return (self._run_layers(self.shallow_layers, self.shallow_kinds, hidden, slots, position_ids, masks)[0],)
 
+    def _deep_states(self, hidden, slots, position_ids, **masks):
+        """M[l:] + final norm: states [n, d] → [n, d]."""
+        return self.final_norm(self._run_layers(self.deep_layers, self.deep_kinds, hidden[None], slots, position_ids,
+                                                masks))[0]
+
     def _deep_fn(self, hidden, slots, position_ids, **masks):
-        out = self.final_norm(self._run_layers(self.deep_layers, self.deep_kinds, hidden[None], slots, position_ids,
-                                               masks))[0]
+        out = self._deep_states(hidden, slots, position_ids, **masks)
         return self.lm_head(out), out
 
-    def _chain_fn(self, fn):
+    def _chain_fn(self, fn, kinds):
         """``fn`` for a chain pass whose slots, positions and masks are computed from ``start`` on the device (so a
         captured chain pass takes two small copies from the host: its rows and where they start)."""
         def chain(x, start):
@@ -254,51 +258,51 @@ class TorchBackend(Backend):
             zero = torch.zeros((), dtype=self.dtype, device=self.device)
             low = torch.full((), torch.finfo(self.dtype).min, dtype=self.dtype, device=self.device)
             masks = {}
-            for kind in set(self.shallow_kinds if fn == self._shallow_fn else self.deep_kinds):
+            for kind in set(kinds):
                 seen = causal & (keys > slots[:, None] - self.window) if kind == SLIDING else causal
                 masks[kind] = torch.where(seen, zero, low)[None, None]
             return fn(x, slots, slots[None], **masks)
         return chain
 
     def _pass(self, part: str, x: torch.Tensor, start: int, tree) -> tuple[torch.Tensor, ...]:
-        """Run the shallow or deep ``part`` over ``x`` (ids [n] or states [n, d]) at ``start``; on the captured path
-        padded to its width (see :mod:`kangaroo_backends.graph_passes`)."""
+        """Run the shallow or deep ``part`` over ``x`` (ids [n] or states [n, d]) at ``start``: eagerly, or on the
+        captured path (see :mod:`kangaroo_backends.graph_passes`)."""
         shallow = part == "shallow"
-        kinds = self.shallow_kinds if shallow else self.deep_kinds
-        fn = self._shallow_fn if shallow else self._deep_fn
+        kinds, fn = (self.shallow_kinds, self._shallow_fn) if shallow else (self.deep_kinds, self._deep_fn)
+        if not self.use_graphs:
+            slots, position_ids, masks = self._pass_inputs(kinds, x.shape[0], start, tree)
+            return fn(x, slots, position_ids, **masks)
+        out = self._captured_pass(part, fn, kinds, x, start, tree)
+        self.cache.advance(range(0, self.exit_layer) if shallow else range(self.exit_layer, self.num_layers),
+                           start + x.shape[0])  # a captured update cannot count: the cache's lengths are set here
+        return out
+
+    def _captured_pass(self, part: str, fn, kinds, x: torch.Tensor, start: int, tree) -> tuple[torch.Tensor, ...]:
+        """A chain pass: its rows and start copied into its width's graph; a tree pass: padded rows, positions and
+        masks; a prompt: once, eagerly, at its own length."""
         n = x.shape[0]
-        width = width_for(n, self.graph_rows) if self.use_graphs else None
-        if width is not None and tree is None:  # a captured chain pass: rows and start in, the rest on the device
+        width = width_for(n, self.graph_rows)
+        capture = self.device.type == "cuda"
+        if width is not None and tree is None:
             key = (part, width, "chain")
             if key not in self.pass_graphs:
                 rows = torch.zeros((width, *x.shape[1:]), dtype=x.dtype, device=self.device)
-                self.pass_graphs[key] = PassGraph(self._chain_fn(fn), {"x": rows, "start": slots_like(self.device)},
-                                                  capture=self.device.type == "cuda")
-            out = tuple(t[:n] for t in self.pass_graphs[key].run_prefix(x=x, start=torch.tensor([start])))
-            self.cache.advance(range(0, self.exit_layer) if shallow else range(self.exit_layer, self.num_layers),
-                               start + n)
-            return out
+                inputs = {"x": rows, "start": slots_like(self.device)}
+                self.pass_graphs[key] = PassGraph(self._chain_fn(fn, kinds), inputs, capture=capture)
+            return tuple(t[:n] for t in self.pass_graphs[key].run_prefix(x=x, start=torch.tensor([start])))
         slots, position_ids, masks = self._pass_inputs(kinds, n, start, tree)
-        if not self.use_graphs:
-            out = fn(x, slots, position_ids, **masks)
-        elif width is None:  # a prompt: once, at its own length
-            out = fn(x, slots, position_ids, **{k: padded_mask(m, n, n, start, self.cache.capacity, self.dtype,
-                                                               self.device) for k, m in masks.items()})
-        else:
-            pad = width - n
-            inputs = {"ids" if shallow else "hidden": torch.cat([x, x.new_zeros((pad, *x.shape[1:]))]),
-                      "slots": torch.cat([slots, torch.arange(start + n, start + width, device=self.device)]),
-                      "position_ids": torch.cat([position_ids[0], slots.new_zeros(pad)])[None],
-                      **{k: padded_mask(m, n, width, start, self.cache.capacity, self.dtype, self.device)
-                         for k, m in masks.items()}}
-            key = (part, width)
-            if key not in self.pass_graphs:
-                self.pass_graphs[key] = PassGraph(fn, inputs, capture=self.device.type == "cuda")
-            out = tuple(t[:n] for t in self.pass_graphs[key].run(**inputs))
-        if self.use_graphs:
-            self.cache.advance(range(0, self.exit_layer) if shallow else range(self.exit_layer, self.num_layers),
-                               start + n)
-        return out
+        if width is None:
+            return fn(x, slots, position_ids, **{k: padded_mask(m, n, n, start, self.cache.capacity, self.dtype,
+                                                                self.device) for k, m in masks.items()})
+        pad = width - n
+        inputs = {"ids" if part == "shallow" else "hidden": torch.cat([x, x.new_zeros((pad, *x.shape[1:]))]),
+                  "slots": torch.cat([slots, torch.arange(start + n, start + width, device=self.device)]),
+                  "position_ids": torch.cat([position_ids[0], slots.new_zeros(pad)])[None],
+                  **{k: padded_mask(m, n, width, start, self.cache.capacity, self.dtype, self.device)
+                     for k, m in masks.items()}}
+        if (part, width) not in self.pass_graphs:
+            self.pass_graphs[part, width] = PassGraph(fn, inputs, capture=capture)
+        return tuple(t[:n] for t in self.pass_graphs[part, width].run(**inputs))
 
     @torch.inference_mode()
     def shallow(self, token_ids: Sequence[int], start: int, tree=None) -> torch.Tensor:
@@ -311,15 +315,13 @@ class TorchBackend(Backend):
         check_start("deep", start, self.cache.lengths[self.exit_layer])
         if not self.use_graphs:  # the LM head on the picked rows only (a prompt's last row)
             slots, position_ids, masks = self._pass_inputs(self.deep_kinds, hidden.shape[0], start, tree)
-            out = self.final_norm(self._run_layers(self.deep_layers, self.deep_kinds, hidden[None], slots,
-                                                   position_ids, masks))[0]  # [n, d]
+            out = self._deep_states(hidden, slots, position_ids, **masks)  # [n, d]
             picked = out if rows is None else out[torch.as_tensor(list(rows), dtype=torch.long, device=out.device)]
             return DeepOutput(logits=self.lm_head(picked), hidden=out)  # logits [r, V]
         logits, out = self._pass("deep", hidden, start, tree)
         if rows is not None:
             logits = logits[torch.as_tensor(list(rows), dtype=torch.long, device=logits.device)]
         return DeepOutput(logits=logits, hidden=out)
-
 
     # -- many streams: a view per stream (its own cache), their rows in one ragged pass ---------------------------
     def stream_view(self) -> "TorchBackend":

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import copy
-import queue
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -33,6 +32,7 @@ import torch
 from kangaroo_core.config import ConfigError, SamplingConfig
 from kangaroo_core.interfaces import SelfDrafter
 from kangaroo_core.results import Emitted, GenerationResult
+from kangaroo_core.text_pieces import TextPieces
 
 
 class Cancelled(Exception):
@@ -79,10 +79,10 @@ class Stream(Iterator[str]):
         self.error: BaseException | None = None
         self.cancelled = False
         self.finished = threading.Event()
-        self.submitted, self.started_at = time.perf_counter(), None
-        self._pieces: queue.SimpleQueue = queue.SimpleQueue()
-        self._tokens: list[int] = []
-        self._text = ""
+        self.started_at: float | None = None
+        self._tokens: list[int] = []  # emitted so far; turned into text only when the stream is iterated
+        self._read = 0
+        self._pieces: TextPieces | None = None
 
     def cancel(self) -> None:
         """Stop before its next pass (any thread may cancel)."""
@@ -92,13 +92,6 @@ class Stream(Iterator[str]):
         if self.on_tokens is not None:
             self.on_tokens(emitted)
         self._tokens.extend(emitted)
-        tokenizer = self.batch.engine.backend.tokenizer
-        if tokenizer is None:
-            return
-        text = tokenizer.decode(self._tokens, skip_special_tokens=True)
-        if not text.endswith("\ufffd") and text.startswith(self._text) and len(text) > len(self._text):
-            self._pieces.put(text[len(self._text):])
-            self._text = text
 
     def wait(self) -> GenerationResult:
         """Drive the batch until this stream ends; its result (raises its error, :class:`Cancelled` if cancelled)."""
@@ -109,20 +102,23 @@ class Stream(Iterator[str]):
         return self.result
 
     def __next__(self) -> str:
+        if self._pieces is None:
+            self._pieces = TextPieces(self.batch.engine.backend.tokenizer)
         while True:
-            try:
-                return self._pieces.get_nowait()
-            except queue.Empty:
-                pass
-            if self.finished.is_set():
+            if self._read < len(self._tokens):
+                new, self._read = self._tokens[self._read:], len(self._tokens)
+                piece = self._pieces.add(new)
+                if piece:
+                    return piece
+            elif self.finished.is_set():
                 if self.error is not None:
                     raise self.error
-                tail = self.result.text[len(self._text):] if self.result.text.startswith(self._text) else ""
-                self._text += tail
+                tail = self._pieces.finish(self.result.text)
                 if tail:
                     return tail
                 raise StopIteration
-            self.batch.step()
+            else:
+                self.batch.step()
 
 
 class Batch:

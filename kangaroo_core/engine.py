@@ -31,6 +31,7 @@ from kangaroo_core.errors import PromptError
 from kangaroo_core.interfaces import Backend, SelfDrafter, StoppingPolicy, TreeShaper, Verifier
 from kangaroo_core.results import DraftStep, Emitted, GenerationResult, RoundResult, Verdict, cut_at_eos
 from kangaroo_core.sampling import draw, make_generator, target_probs
+from kangaroo_core.text_pieces import TextPieces
 from kangaroo_core.tree_round import tree_round
 
 Prompt = str | Sequence[dict[str, str]]
@@ -410,9 +411,7 @@ class TextStream(Iterator[str]):
     """Text pieces of one generation, decoded incrementally (never splitting a multi-byte character)."""
 
     def __init__(self, engine: Engine, prompt_ids: list[int], max_new_tokens: int):
-        self._tokens: list[int] = []
-        self._text = ""
-        self._tokenizer = engine.backend.tokenizer
+        self._pieces = TextPieces(engine.backend.tokenizer)
         self._loop = engine.decode(prompt_ids, max_new_tokens)
         self.result: GenerationResult | None = None
 
@@ -427,15 +426,10 @@ class TextStream(Iterator[str]):
                 new = next(self._loop)
             except StopIteration as stop:
                 self.result = stop.value
-                tail = self.result.text[len(self._text):] if self.result.text.startswith(self._text) else ""
+                tail = self._pieces.finish(self.result.text)
                 if tail:
-                    self._text += tail
                     return tail
                 raise
-            self._tokens.extend(new)
-            text = self._tokenizer.decode(self._tokens, skip_special_tokens=True)
-            if text.endswith("\ufffd") or not text.startswith(self._text):
-                continue  # an incomplete character: wait for the next tokens
-            piece, self._text = text[len(self._text):], text
+            piece = self._pieces.add(new)
             if piece:
                 return piece

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import os
 import shutil
 import tempfile
@@ -77,6 +79,15 @@ def make_tokenizer():
     )
     tok.chat_template = CHAT_TEMPLATE
     return tok
+
+
+def write_prompts(path: Path, count: int) -> Path:
+    """A prompts file in the training prompts' format (``{"id", "prompt"}`` per line) of short tiny-vocabulary texts."""
+    words = "the sky is blue why the sea is green tell me a story about the cat and the dog".split()
+    with open(path, "w") as handle:
+        for i in range(count):
+            handle.write(json.dumps({"id": f"p{i}", "prompt": " ".join(words[i % 7: i % 7 + 3 + i % 5])}) + "\n")
+    return path
 
 
 def save_tiny_model(directory: Path, *, seed: int = 0, layers: int = 4, hidden: int = 32, max_positions: int = 128,

@@ -12,18 +12,15 @@ from kangaroo_apps.cli_options import EngineOptions
 from kangaroo_tools import corpus as corpus_module
 from kangaroo_tools.corpus import Corpus, CorpusError, CorpusSettings, Record, build, plan, read_shard, write_shard
 
+from conftest import write_prompts
+
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 SETTINGS = CorpusSettings(max_new_tokens=6, heldout_prompts=3, shard_size=4)
 
 
 @pytest.fixture()
 def prompts(tmp_path):
-    path = tmp_path / "prompts.jsonl"
-    words = "the sky is blue why the sea is green tell me a story about the cat and the dog".split()
-    with open(path, "w") as handle:
-        for i in range(13):
-            handle.write(json.dumps({"id": f"p{i}", "prompt": " ".join(words[i % 7: i % 7 + 3 + i % 5])}) + "\n")
-    return path
+    return write_prompts(tmp_path / "prompts.jsonl", 13)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from conftest import save_tiny_model
+from conftest import save_tiny_model, write_prompts
 from kangaroo_apps.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -25,12 +25,7 @@ COMMANDS = {
 
 @pytest.fixture()
 def prompts(tmp_path):
-    path = tmp_path / "prompts.jsonl"
-    words = "the sky is blue why the sea is green tell me a story about the cat and the dog".split()
-    with open(path, "w") as handle:
-        for i in range(8):
-            handle.write(json.dumps({"id": f"p{i}", "prompt": " ".join(words[i % 7: i % 7 + 3 + i % 5])}) + "\n")
-    return path
+    return write_prompts(tmp_path / "prompts.jsonl", 8)
 
 
 @pytest.fixture()

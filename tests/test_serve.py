@@ -305,6 +305,13 @@ def test_text_assembler_holds_back_partial_stop_strings():
 CHROMIUM = "/usr/bin/chromium"
 
 
+def launch_chromium(playwright):
+    """Debian's headless Chromium, quiet (no network side traffic, no sandbox in containers)."""
+    return playwright.chromium.launch(executable_path=CHROMIUM, args=[
+        "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync"])
+
+
 @pytest.mark.skipif(not Path(CHROMIUM).exists() and not os.environ.get("CI"),
                     reason="Debian's chromium is not installed (make test installs it; CI requires it)")
 def test_live_page_streams_and_marks_accepted_drafts(server, client):
@@ -315,9 +322,7 @@ def test_live_page_streams_and_marks_accepted_drafts(server, client):
                                               max_tokens=40).choices[0].message.content
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync"])
+        browser = launch_chromium(p)
         try:
             page = browser.new_page(viewport={"width": 960, "height": 640})
             page.goto(server.url + "/")

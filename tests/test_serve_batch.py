@@ -22,7 +22,7 @@ from kangaroo_apps.serve.local import LocalServer
 from kangaroo_apps.serve.metrics import ServerMetrics
 from kangaroo_apps.serve.worker import EngineWorker
 
-from test_serve import CHROMIUM, PROMPTS, SlowPolicy, build_engine, engine, local, metric, server  # noqa: F401
+from test_serve import CHROMIUM, PROMPTS, launch_chromium, SlowPolicy, build_engine, engine, local, metric, server  # noqa: F401
 
 CHAT = "/v1/chat/completions"
 SIX = PROMPTS + ["the cat sat on the mat", "a dog runs in the park"]
@@ -147,9 +147,7 @@ def test_the_live_page_streams_beside_other_requests(batch_server, engine):
     prompt = PROMPTS[0]
     expected, other = local(engine, prompt, max_new_tokens=40).text, local(engine, PROMPTS[3], max_new_tokens=40).text
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync"])
+        browser = launch_chromium(p)
         try:
             page = browser.new_page()
             page.goto(batch_server.url + "/")

@@ -24,7 +24,7 @@ from kangaroo_apps.serve.metrics import ServerMetrics
 from kangaroo_apps.serve.protocol import ApiError
 from kangaroo_apps.serve.worker import EngineWorker, Job
 
-from test_serve import CHROMIUM, client, engine, metric, server  # noqa: F401  (module fixtures, reused)
+from test_serve import CHROMIUM, client, launch_chromium, engine, metric, server  # noqa: F401  (module fixtures, reused)
 
 
 @pytest.fixture
@@ -268,9 +268,7 @@ def test_the_live_page_clears_its_stats_when_a_run_fails(server):
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync"])
+        browser = launch_chromium(p)
         try:
             page = browser.new_page()
             page.goto(server.url + "/")
