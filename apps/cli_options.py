@@ -210,6 +210,37 @@ def device_option(func=None, *, help: str = DEVICE_HELP):
     return option if func is None else option(func)
 
 
+def ray_pool_options(what: str):
+    """``--ray [ADDRESS]``, ``--workers N``, ``--threads-per-worker T``: ``what`` runs on a pool of model-holding Ray
+    workers (extra ``[ray]``, docs/scaling.md). The command gets ``ray_address``, ``workers``, ``threads_per_worker``."""
+
+    def decorate(func):
+        for option in reversed([
+            click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
+                         help=f"{what} on a pool of Ray workers (extra [ray]): the flag alone or 'local' starts a "
+                              "local instance; 'auto', ray://HOST:10001 or HOST:6379 joins a cluster "
+                              "(docs/scaling.md)."),
+            click.option("--workers", type=click.IntRange(min=1), default=None,
+                         help="--ray: model-holding workers (default: the CPUs of this machine or cluster / "
+                              "--threads-per-worker)."),
+            click.option("--threads-per-worker", type=click.IntRange(min=1), default=None,
+                         help="--ray: torch threads (and CPUs reserved) per worker (default 1)."),
+        ]):
+            func = option(func)
+        return func
+
+    return decorate
+
+
+def check_ray_pool_options(ray_address: str | None, workers: int | None, threads_per_worker: int | None,
+                           threads: int | None) -> None:
+    """The pool's flags only with ``--ray``; ``--threads`` (this process's) not with it."""
+    if ray_address is None and (workers is not None or threads_per_worker is not None):
+        raise UsageError("--workers and --threads-per-worker apply to --ray")
+    if ray_address is not None and threads is not None:
+        raise UsageError("with --ray, --threads-per-worker sets each worker's threads (--threads: this process only)")
+
+
 def check_device(device: str | None) -> None:
     """Refuse ``--device`` in one line (a :class:`~kangaroo_core.config.ConfigError`) when it names no device or CUDA
     is asked for and absent: before any prompt file is read or model loaded."""

@@ -126,9 +126,10 @@ LLAMA_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn
                "ffn_down": "mlp.down_proj"}
 
 
-def read_linear_weights(gguf_path: str | Path, config) -> dict[str, NBitsWeight]:
+def read_linear_weights(gguf_path: str | Path, config, convert=None) -> dict:
     """Every linear weight of a Llama GGUF file by its transformers parameter name (``lm_head.weight`` from
-    ``output.weight``, or from the tied ``token_embd.weight``), in MatMulNBits form."""
+    ``output.weight``, or from the tied ``token_embd.weight``), in MatMulNBits form (or ``convert(name, gguf type,
+    raw blocks, N, K)``'s, a weight with a ``rows(order)`` method)."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(gguf_path))
@@ -147,9 +148,10 @@ def read_linear_weights(gguf_path: str | Path, config) -> dict[str, NBitsWeight]
         else:
             continue
         k, n = (int(x) for x in tensor.shape[:2])  # GGUF lists dims innermost first: [K, N]
-        weight = from_gguf_blocks(tname, tensor.tensor_type.name, np.asarray(tensor.data), n, k)
+        weight = (convert or from_gguf_blocks)(tname, tensor.tensor_type.name, np.asarray(tensor.data), n, k)
         if permuted and parts[-2] in ("attn_q", "attn_k"):
-            weight = _permuted(weight, _reverse_permute_rows(n, heads if parts[-2] == "attn_q" else kv_heads))
+            order = _reverse_permute_rows(n, heads if parts[-2] == "attn_q" else kv_heads)
+            weight = _permuted(weight, order) if convert is None else weight.rows(order)
         out[hf] = weight
     return out
 
@@ -173,8 +175,13 @@ ROWS_AT_ONCE = "MatMulNBits over all rows at once (its int8-activation kernel co
 ROW_INDEPENDENT_LEVELS = (4,)
 
 
+#: the same, on kangaroo's block kernel (:mod:`kangaroo_backends.block_weights`): every block read once for all rows,
+#: each row computed exactly as alone
+ROWS_BLOCKS = "kangaroo.BlockMatMul over all rows at once (each row computed as alone)"
+
+
 #: the manifest "rows" values whose graphs reproduce one-position passes row by row (older 4-bit bundles have none)
-EXACT_LAYOUTS = (ROWS, ROWS_AT_ONCE)
+EXACT_LAYOUTS = (ROWS, ROWS_AT_ONCE, ROWS_BLOCKS)
 
 
 def rows_at_once(accuracy_level: int) -> bool:
@@ -240,7 +247,7 @@ def stacked(weights: list[NBitsWeight]) -> NBitsWeight | None:
         mins=None if first.mins is None else cat([w.mins for w in weights]))
 
 
-def quantize_graph(path: str | Path, model, weights: dict[str, NBitsWeight], *, accuracy_level: int = 0,
+def quantize_graph(path: str | Path, model, weights: dict, *, accuracy_level: int = 0,
                    rows_one_by_one: bool = True, out: str | Path | None = None) -> dict:
     """Replace, in the ONNX file at ``path``, every ``MatMul`` by a float32 weight of ``model`` that ``weights`` holds
     with ``MatMulNBits`` over that weight's GGUF blocks; returns ``{"replaced": n, "types": {gguf type: n}}``.
@@ -254,6 +261,10 @@ def quantize_graph(path: str | Path, model, weights: dict[str, NBitsWeight], *, 
     n one-position passes; without it (the prefill graph) the rows are multiplied at once.
     Products of the same input (q/k/v, gate/up) become one ``MatMulNBits`` over their stacked blocks and a ``Split``
     (:func:`stacked`): a one-token pass is ~2,000 small onnxruntime nodes, and each costs microseconds of dispatch.
+
+    ``weights`` of :class:`~kangaroo_backends.block_weights.BlockWeight` (any weight with ``onnx_node`` and ``stack``)
+    become ``kangaroo.BlockMatMul`` nodes instead (kangaroo's block kernel: all rows at once, each row exact; int8
+    activations at level 4, float32 below), stacked the same way; ``rows_one_by_one`` does not apply to them.
     """
     import onnx
     from onnx import helper, numpy_helper
@@ -282,8 +293,10 @@ def quantize_graph(path: str | Path, model, weights: dict[str, NBitsWeight], *, 
     counts: dict[str, int] = {}
     new_inits, nodes = [], []
 
-    def emit(x: str, weight: NBitsWeight, outputs: list[str], splits: list[int]) -> None:
+    def emit(x: str, weight, outputs: list[str], splits: list[int]) -> None:
         """MatMulNBits (+ Q4_1's minimum term) of ``x`` by ``weight``, into ``outputs`` (split along N by ``splits``)."""
+        if hasattr(weight, "onnx_node"):
+            return emit_blocks(x, weight, outputs, splits)
         stem = f"nbits.{weight.name}"
         new_inits.extend([numpy_helper.from_array(weight.codes, f"{stem}.codes"),
                           numpy_helper.from_array(weight.scales, f"{stem}.scales")])
@@ -313,24 +326,45 @@ def quantize_graph(path: str | Path, model, weights: dict[str, NBitsWeight], *, 
             new_inits.append(numpy_helper.from_array(np.array(splits, dtype=np.int64), f"{stem}.parts"))
             nodes.append(helper.make_node("Split", [whole, f"{stem}.parts"], outputs, axis=-1))
 
+    def emit_blocks(x: str, weight, outputs: list[str], splits: list[int]) -> None:
+        stem = f"blocks.{weight.name}"
+        whole = outputs[0] if len(outputs) == 1 else f"{stem}.stacked"
+        node, inits = weight.onnx_node(x, whole, accuracy_level, stem)
+        nodes.append(node)
+        new_inits.extend(inits)
+        if len(outputs) > 1:
+            new_inits.append(numpy_helper.from_array(np.array(splits, dtype=np.int64), f"{stem}.parts"))
+            nodes.append(helper.make_node("Split", [whole, f"{stem}.parts"], outputs, axis=-1))
+
     for index, node in enumerate(graph.node):
         if index not in found:
             nodes.append(node)
             continue
         group = by_input[node.input[0]]
-        merged = stacked([found[i] for i in group])
+        stack = type(found[index]).stack if hasattr(found[index], "onnx_node") else stacked
+        merged = stack([found[i] for i in group])
         if merged is None:  # alone (or formats that cannot stack): its own product
             emit(node.input[0], found[index], list(node.output), [])
         elif index == group[0]:  # the whole group at its first member (they all read the same input)
             emit(node.input[0], merged, [graph.node[i].output[0] for i in group], [found[i].n for i in group])
         counts[found[index].gguf_type] = counts.get(found[index].gguf_type, 0) + 1
+    replace_nodes(proto, nodes, new_inits)
+    onnx.save(proto, str(path if out is None else out))
+    return {"replaced": sum(counts.values()), "types": counts, "rows_one_by_one": rows_one_by_one}
+
+
+def replace_nodes(proto, nodes: list, new_inits: list) -> None:
+    """Give ``proto``'s graph these ``nodes``, keep the initializers they still read, add ``new_inits``, and import
+    every custom domain they use (opset 1)."""
+    from onnx import helper
+
+    graph = proto.graph
     used = {i for node in nodes for i in node.input}
     kept = [init for init in graph.initializer if init.name in used]
     del graph.node[:]
     graph.node.extend(nodes)
     del graph.initializer[:]
     graph.initializer.extend(kept + new_inits)
-    if not any(op.domain == "com.microsoft" for op in proto.opset_import):
-        proto.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    onnx.save(proto, str(path if out is None else out))
-    return {"replaced": sum(counts.values()), "types": counts, "rows_one_by_one": rows_one_by_one}
+    for domain in {node.domain for node in nodes if node.domain not in ("", "ai.onnx")}:
+        if not any(op.domain == domain for op in proto.opset_import):
+            proto.opset_import.append(helper.make_opsetid(domain, 1))

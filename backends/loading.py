@@ -133,7 +133,12 @@ def _convert_gguf(path: Path, target: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / "kangaroo_source.json").write_text(json.dumps({"gguf": str(path)}))
-        os.replace(tmp, target)  # atomic: an interrupted conversion leaves no half cache behind
+        try:
+            os.replace(tmp, target)  # atomic: an interrupted conversion leaves no half cache behind
+        except OSError:
+            if not (target / "kangaroo_source.json").is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # another process (a Ray worker) converted it first: use theirs
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

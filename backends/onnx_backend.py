@@ -38,8 +38,8 @@ import torch
 
 from kangaroo_backends.loading import cache_dir, gguf_source, load_model
 from kangaroo_backends.families import SLIDING, sliding_window
-from kangaroo_backends.onnx_bundle import (BIAS_INPUTS, EXPORT_KEY, GRAPHS, MANIFEST, WEIGHTS, export_weights,
-                                           graph_file, graph_io, read_manifest, rows_exact)
+from kangaroo_backends.onnx_bundle import (BIAS_INPUTS, EXPORT_KEY, GRAPHS, MANIFEST, WEIGHTS, export_kernel,
+                                           export_weights, graph_file, graph_io, read_manifest, rows_exact)
 from kangaroo_backends.onnx_export import export_onnx
 from kangaroo_backends.onnx_toolkit import attention_bias, import_onnxruntime
 from kangaroo_backends.torch_eager import check_start, describe_split_model
@@ -65,6 +65,33 @@ SPINNING = ("none", "deep", "all")
 #: graphs mark their attention (graph revision 6), the graphs as exported otherwise; ``in_place``: the op or an error;
 #: ``exported``: the graphs as exported (standard ONNX: concatenate, transpose, MatMul, Softmax, MatMul).
 ATTENTION = ("auto", "in_place", "exported")
+#: ``kernel`` option values: how ``gguf`` weights are multiplied on CPU. ``auto``: kangaroo's block kernel
+#: (:mod:`kangaroo_backends.block_weights`: every block read once for all the rows of a verify pass) where it can be
+#: built and the CPU has AVX2, onnxruntime's MatMulNBits otherwise; ``blocks``: the block kernel or an error;
+#: ``matmulnbits``: MatMulNBits (Q4_0, Q4_1 and Q8_0 only).
+KERNELS = ("auto", "blocks", "matmulnbits")
+
+
+def resolve_kernel(kernel: str, provider: str, level: int) -> str:
+    """``blocks`` or ``matmulnbits`` for the ``kernel`` option on this provider, at this accuracy level."""
+    if kernel == "matmulnbits":
+        return kernel
+    from kangaroo_backends import block_weights, ort_attention
+
+    why = None
+    if provider != PROVIDERS["cpu"]:
+        why = f"it runs on CPU only (provider {provider})"
+    elif level not in (0, 1, 4):
+        why = f"it computes at accuracy level 0/1 or 4, not {level}"
+    elif ort_attention.library()[0] is None:
+        why = ort_attention.library()[1]
+    elif block_weights.isa() == "none":
+        why = "this CPU has no AVX2 and FMA"
+    if why is None:
+        return "blocks"
+    if kernel == "blocks":
+        raise ConfigError(f"kernel=blocks: kangaroo's block kernel is not available: {why}")
+    return "matmulnbits"
 
 
 def provider_for_device(device: str | None, provider: str) -> str:
@@ -156,6 +183,8 @@ class OnnxOptions:
     spinning: str = attrs.field(default="none", validator=_one_of(SPINNING))
     #: how the attention over the KV cache runs on CPU (:data:`ATTENTION`)
     attention: str = attrs.field(default="auto", validator=_one_of(ATTENTION))
+    #: how ``gguf`` weights are multiplied (:data:`KERNELS`)
+    kernel: str = attrs.field(default="auto", validator=_one_of(KERNELS))
 
     @property
     def level(self) -> int:
@@ -351,6 +380,10 @@ class OnnxBackend(Backend):
         Flag("--onnx-spinning", "spinning", choices=SPINNING,
              help="2+ threads: whose threads busy-wait between ops during a run (default none). deep speeds up the "
                   "4-bit int8 target alone (~+20%) but slows drafting (~-7%): for decoding without a drafter."),
+        Flag("--onnx-kernel", "kernel", choices=KERNELS,
+             help="With --onnx-weights gguf, on CPU: auto (default) multiplies by kangaroo's block kernel (every "
+                  "block read once for all rows of a verify pass; built once with the C compiler, AVX2) where it can, "
+                  "else MatMulNBits; blocks: the block kernel, refusing to fall back; matmulnbits: onnxruntime's."),
         Flag("--onnx-attention", "attention", choices=ATTENTION,
              help="On CPU: auto (default) runs each layer's attention as kangaroo's op reading the KV cache in place "
                   "(built once with the C compiler; graphs exported since revision 6), else as exported; in_place: "
@@ -372,11 +405,13 @@ class OnnxBackend(Backend):
         self.attention, self.spinning = options.attention, options.spinning
         self.weights, self.accuracy_level = weights, options.level
         self.rows_exact = True  # what this code exports; a bundle says otherwise below
+        self.kernel = None  # gguf weights: blocks or matmulnbits (resolved below, with the provider)
         if bundle is not None and (bundle / MANIFEST).is_file():  # a bundle says what it holds
             try:
                 manifest = read_json(bundle / MANIFEST, OnnxModelError)
                 self.weights, self.accuracy_level = export_weights(manifest)
                 self.rows_exact = rows_exact(manifest)
+                self.kernel = export_kernel(manifest)
             except (OnnxModelError, AttributeError, TypeError, ValueError):
                 pass  # reported with the full manifest check when the sessions open
         self.gguf_path = None
@@ -389,6 +424,8 @@ class OnnxBackend(Backend):
         describe_split_model(self, model, tokenizer, exit_layer, model_name)
         self.provider = resolve_provider(self.ort, options.provider)
         self.device = torch.device("cuda", 0) if self.provider == PROVIDERS["cuda"] else torch.device("cpu")
+        if self.weights == "gguf" and bundle is None:
+            self.kernel = resolve_kernel(options.kernel, self.provider, self.accuracy_level)
         self.bundle = bundle
         self.threads = options.threads
         self.quiet = quiet
@@ -399,10 +436,11 @@ class OnnxBackend(Backend):
     @classmethod
     def create(cls, config: DecodeConfig, model: Any = None, device: str | None = None, dtype: str = "float32",
                provider: str = "auto", bundle: str | None = None, threads: int | None = None, weights: str = "float32",
-               accuracy_level: int | None = None, spinning: str = "none", attention: str = "auto") -> "OnnxBackend":
+               accuracy_level: int | None = None, spinning: str = "none", attention: str = "auto",
+               kernel: str = "auto") -> "OnnxBackend":
         provider = provider_for_device(device, provider)
         options = OnnxOptions(provider=provider, bundle=bundle, threads=threads, weights=weights,
-                              accuracy_level=accuracy_level, spinning=spinning, attention=attention)
+                              accuracy_level=accuracy_level, spinning=spinning, attention=attention, kernel=kernel)
         if dtype != "float32":
             raise ConfigError(f"the onnx backend runs float32 graphs only, got dtype {dtype!r}")
         import_onnxruntime()  # the install hint before a model load
@@ -441,6 +479,7 @@ class OnnxBackend(Backend):
         if self.bundle is not None:
             return self.bundle
         suffix = "" if self.weights == "float32" else f"-gguf-a{self.accuracy_level}"
+        suffix += "-blocks" if self.kernel == "blocks" else ""
         return cache_dir() / "onnx" / EXPORT_KEY / f"{self.fingerprint}-l{self.exit_layer}{suffix}"
 
     def artifact_dir(self) -> Path:
@@ -466,7 +505,7 @@ class OnnxBackend(Backend):
         if self.threads:
             options.intra_op_num_threads = self.threads
             options.inter_op_num_threads = 1
-        source = self._attention_swapped(path, options) if swap else None
+        source = self._attention_swapped(path, options, swap)
         try:
             session = ort.InferenceSession(str(path) if source is None else source, options, providers=[self.provider])
         except Exception as exc:  # onnxruntime raises its own exception types
@@ -481,13 +520,16 @@ class OnnxBackend(Backend):
             raise ProviderError(f"onnxruntime could not use {self.provider} for {path.name} (got {', '.join(session.get_providers())})")
         return session
 
-    def _attention_swapped(self, path: Path, options) -> bytes | None:
-        """The graph with its attention swapped for the in-place op (and the op's library registered in
-        ``options``), or None to load the file as it is (see :data:`ATTENTION`)."""
-        if self.attention == "exported":
-            return None
+    def _attention_swapped(self, path: Path, options, swap: bool = True) -> bytes | None:
+        """The graph with its attention swapped for the in-place op (``swap``; and the op's library registered in
+        ``options``), or None to load the file as it is (see :data:`ATTENTION`). A graph whose products run on
+        kangaroo's block kernel gets the library in any case."""
         from kangaroo_backends import ort_attention
 
+        if self.kernel == "blocks" and self.provider == PROVIDERS["cpu"] and ort_attention.register_if_used(path, options):
+            return self._swap_registered(path) if swap and self.attention != "exported" else None
+        if not swap or self.attention == "exported":
+            return None
         library, why = ort_attention.library()
         if self.provider != PROVIDERS["cpu"]:
             why = f"it runs on CPU only (provider {self.provider})"
@@ -505,6 +547,18 @@ class OnnxBackend(Backend):
             return None  # not marked: a bundle exported before graph revision 6, or a drafter's own graph
         self.swapped.add(path)
         options.register_custom_ops_library(str(library))
+        return proto.SerializeToString()
+
+    def _swap_registered(self, path: Path) -> bytes | None:
+        """The graph with its attention swapped (the library already registered), or None to load it as it is."""
+        import onnx
+
+        from kangaroo_backends import ort_attention
+
+        proto = onnx.load(str(path))
+        if not ort_attention.swap_attention(proto):
+            return None
+        self.swapped.add(path)
         return proto.SerializeToString()
 
     def open_graph(self, path: Path, inputs: list[str], outputs: list[str], kv_layers: int,
@@ -543,11 +597,13 @@ class OnnxBackend(Backend):
                   f"once to {directory}", file=sys.stderr)
             export_onnx(self.model, directory, exit_layer=self.exit_layer, fingerprint=self.fingerprint,
                         model_name=self.model_name, quiet=self.quiet, weights=self.weights, gguf_path=self.gguf_path,
-                        accuracy_level=self.accuracy_level)
+                        accuracy_level=self.accuracy_level, kernel=self.kernel or "matmulnbits")
         manifest = read_manifest(directory, fingerprint=self.fingerprint, exit_layer=self.exit_layer)
-        if self.bundle is None and export_weights(manifest) != (self.weights, self.accuracy_level):
-            raise OnnxModelError(f"ONNX export {directory} has weights {export_weights(manifest)}, not "
-                                 f"{(self.weights, self.accuracy_level)}; delete it to re-export")
+        if self.bundle is None and (export_weights(manifest), export_kernel(manifest)) != (
+                (self.weights, self.accuracy_level), self.kernel):
+            raise OnnxModelError(f"ONNX export {directory} has weights {export_weights(manifest)} "
+                                 f"({export_kernel(manifest)}), not {(self.weights, self.accuracy_level)} "
+                                 f"({self.kernel}); delete it to re-export")
         self.weights, self.accuracy_level = export_weights(manifest)
         self.rows_exact = rows_exact(manifest)
         runners = {}

@@ -167,6 +167,14 @@ def export_weights(manifest: dict) -> tuple[str, int]:
     return "float32", 0
 
 
+def export_kernel(manifest: dict) -> str | None:
+    """How an export's 4-bit products run: ``blocks`` (kangaroo's block kernel), ``matmulnbits``, or None (float32)."""
+    weights = manifest.get("weights", "float32")
+    if not isinstance(weights, dict):
+        return None
+    return "blocks" if weights.get("format") == "gguf-blocks" else "matmulnbits"
+
+
 def rows_exact(manifest: dict) -> bool:
     """Whether a pass over n positions reproduces n one-position passes bit for bit: float32 MatMuls always do
     (measured, every n); 4-bit ones when exported row by row (graph revision 3 on) or, at int8 activations, with

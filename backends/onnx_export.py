@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from kangaroo_backends.families import family_of, layer_kinds, rotary_embeddings
-from kangaroo_backends.gguf_nbits import rows_at_once, rows_layout
+from kangaroo_backends.gguf_nbits import ROWS_BLOCKS, rows_at_once, rows_layout
 from kangaroo_backends.onnx_bundle import (BIAS_INPUTS, FORMAT, FORMAT_VERSION, GRAPH_REVISION, WEIGHTS,
                                            atomic_directory, graph_io, graph_shapes, versions, write_manifest)
 from kangaroo_backends.onnx_toolkit import (DEFAULT_OPSET, DEFAULT_TOLERANCE, INSTALL_HINT, Attention, Rotary,
@@ -162,7 +162,7 @@ def _cases(name: str, model, exit_layer: int, seed: int = 0):
 def export_onnx(model, out_dir: str | os.PathLike, *, exit_layer: int, fingerprint: str | None = None, model_name: str = "model", opset: int = DEFAULT_OPSET,
                 tolerance: float = DEFAULT_TOLERANCE, overwrite: bool = False, quiet: bool = False,
                 weights: str = "float32", gguf_path: str | os.PathLike | None = None,
-                accuracy_level: int = 1) -> dict[str, Any]:
+                accuracy_level: int = 1, kernel: str = "matmulnbits") -> dict[str, Any]:
     """Export the shallow / deep / head graphs of ``model`` (a transformers decoder of a supported family) split at ``exit_layer`` into ``out_dir``.
 
     Every graph is validated against eager PyTorch before the export is declared good; the export is written to a
@@ -171,7 +171,9 @@ def export_onnx(model, out_dir: str | os.PathLike, *, exit_layer: int, fingerpri
     (:mod:`kangaroo_backends.gguf_nbits`; ``model`` must be that file's float32 dequantization, which is what
     :func:`~kangaroo_backends.loading.load_model` gives) and is validated against the float32 model again: at
     ``accuracy_level`` 0/1 to the same tolerance (same weights, float32 activations), above (2 fp16, 3 bf16, 4 int8 activations: lossy)
-    to :data:`LOSSY_TOLERANCE`. Returns the manifest.
+    to :data:`LOSSY_TOLERANCE`. ``kernel="blocks"``: kangaroo's block kernel instead of MatMulNBits
+    (:mod:`kangaroo_backends.block_weights`: every GGUF type of the shipped models, all rows at once and each row
+    exact, int8 activations at level 4, float32 at 0/1; no separate prefill graph). Returns the manifest.
     """
     import_onnxruntime()
     try:
@@ -196,7 +198,15 @@ def export_onnx(model, out_dir: str | os.PathLike, *, exit_layer: int, fingerpri
 
         if gguf_path is None:
             raise OnnxExportError("weights='gguf' needs the GGUF file the model was loaded from")
-        nbits = read_linear_weights(gguf_path, model.config)
+        if kernel not in KERNELS:
+            raise OnnxExportError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+        if kernel == "blocks":
+            from kangaroo_backends.block_weights import activations_at, read_block_weights
+
+            activations_at(accuracy_level)  # refuses levels 2 and 3 in one line
+            nbits = read_block_weights(gguf_path, model.config)
+        else:
+            nbits = read_linear_weights(gguf_path, model.config)
     if fingerprint is None:
         fingerprint = model_fingerprint(model)
     model = model if next(model.parameters()).dtype == torch.float32 else copy.deepcopy(model).float()
@@ -229,11 +239,11 @@ def export_onnx(model, out_dir: str | os.PathLike, *, exit_layer: int, fingerpri
             limit = check_tolerance(name, check, tolerance)
             quantized, prefill = None, {}
             if nbits is not None:
-                one_by_one = not rows_at_once(accuracy_level)
+                one_by_one = kernel != "blocks" and not rows_at_once(accuracy_level)
                 # the prefill's own graph, rows at once: at the same level when the other graphs go row by row (see
                 # gguf_nbits.row_by_row), at float32 activations when they are int8 ones (PREFILL_ACCURACY_LEVEL)
                 prefill_level = accuracy_level if one_by_one else PREFILL_ACCURACY_LEVEL
-                if name != "head" and (one_by_one or accuracy_level > prefill_level):
+                if name != "head" and kernel != "blocks" and (one_by_one or accuracy_level > prefill_level):
                     prefill_file = tmp / f"{name}.prefill.onnx"
                     _quantize(file, name, model, nbits, exit_layer, num_layers, prefill_level, rows_one_by_one=False,
                               out=prefill_file)
@@ -260,8 +270,10 @@ def export_onnx(model, out_dir: str | os.PathLike, *, exit_layer: int, fingerpri
             "graph_revision": GRAPH_REVISION,
             "opset": opset,
             "dtype": "float32",
-            "weights": weights if nbits is None else {"format": "gguf-matmulnbits", "gguf_file": Path(gguf_path).name,
-                                                      "accuracy_level": int(accuracy_level), "rows": rows_layout(accuracy_level)},
+            "weights": weights if nbits is None else {
+                "format": "gguf-blocks" if kernel == "blocks" else "gguf-matmulnbits", "gguf_file": Path(gguf_path).name,
+                "accuracy_level": int(accuracy_level),
+                "rows": ROWS_BLOCKS if kernel == "blocks" else rows_layout(accuracy_level)},
             "kv_layout": "[batch, seq, kv_heads, head_dim]; graphs return the new positions' KV only",
             "model_name": model_name,
             "base_model_fingerprint": fingerprint,
@@ -277,6 +289,10 @@ def export_onnx(model, out_dir: str | os.PathLike, *, exit_layer: int, fingerpri
         }
         write_manifest(tmp, manifest)
     return manifest
+
+
+#: how an export's 4-bit products run: onnxruntime's MatMulNBits, or kangaroo's block kernel (``kangaroo.BlockMatMul``)
+KERNELS = ("matmulnbits", "blocks")
 
 
 #: 8-bit blocks run as MatMulNBits only with int8 activations: onnxruntime 1.32 has no fast 8-bit kernel for float32
@@ -302,7 +318,8 @@ def _quantize(file: Path, name: str, model, nbits: dict, exit_layer: int, num_la
     expected = 1 if name == "head" else 7 * len(layers)
     if len(wanted) != expected:
         raise OnnxExportError(f"the GGUF file has {len(wanted)} of the {expected} linear weights of the {name} graph")
-    kept = {n: w.gguf_type for n, w in wanted.items() if accuracy_level <= 1 and w.bits not in FLOAT32_ACTIVATION_BITS}
+    kept = {n: w.gguf_type for n, w in wanted.items()  # the block kernel keeps nothing in float32
+            if accuracy_level <= 1 and getattr(w, "bits", 4) not in FLOAT32_ACTIVATION_BITS}
     wanted = {n: w for n, w in wanted.items() if n not in kept}
     if not wanted:
         if out is not None:

@@ -221,10 +221,13 @@ def max_diff(ort_outputs, references) -> tuple[float, float]:
 
 
 def cpu_session(path: Path):
-    """An onnxruntime CPU session for validation (quiet)."""
+    """An onnxruntime CPU session for validation (quiet); a graph with kangaroo's own ops gets their library."""
     ort = import_onnxruntime()
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    from kangaroo_backends import ort_attention
+
+    ort_attention.register_if_used(path, options)
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 

@@ -41,7 +41,7 @@ from kangaroo_backends.onnx_bundle import BIAS_INPUTS
 METADATA_KEY = "kangaroo.attention_core"
 DOMAIN = "kangaroo"
 OP = "CachedAttention"
-SOURCES = ("ort_cached_attention.c", "small_batch_attention.c")
+SOURCES = ("ort_cached_attention.c", "small_batch_attention.c", "ort_block_matmul.c", "block_matmul.c")
 FLAGS = tuple(flag for flag in native.FLAGS if flag != "-fopenmp")  # the torch kernels' flags, no OpenMP
 
 
@@ -49,6 +49,38 @@ FLAGS = tuple(flag for flag in native.FLAGS if flag != "-fopenmp")  # the torch 
 def library() -> tuple[Path | None, str]:
     """The custom-op library's path, or ``(None, why not)``."""
     return build_packaged(SOURCES, FLAGS, "ort_attention", "the onnxruntime attention op", main=SOURCES[0])
+
+
+def uses_ops(proto) -> bool:
+    """Whether a graph (an ``onnx.ModelProto``) has nodes of kangaroo's domain (``BlockMatMul``, ``CachedAttention``)."""
+    return any(node.domain == DOMAIN for node in proto.graph.node)
+
+
+def register_if_used(path: Path, options) -> bool:
+    """Register the ops' library in ``options`` when the graph at ``path`` needs it; an
+    :class:`~kangaroo_core.errors.OnnxModelError` in one line when it does and the library cannot be built."""
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    if not uses_ops(proto):
+        return False
+    require(path)
+    options.register_custom_ops_library(str(library()[0]))
+    return True
+
+
+def require(path: Path) -> None:
+    """One line when a graph needing kangaroo's ops cannot have them (no compiler, no AVX2)."""
+    from kangaroo_backends import block_weights
+    from kangaroo_core.errors import OnnxModelError
+
+    built, why = library()
+    if built is None:
+        raise OnnxModelError(f"{path} runs kangaroo's own kernels, which are not available here: {why}; re-export "
+                             "with --onnx-kernel matmulnbits")
+    if block_weights.isa() == "none":
+        raise OnnxModelError(f"{path} runs kangaroo's block kernel, which needs a CPU with AVX2 and FMA; re-export "
+                             "with --onnx-kernel matmulnbits")
 
 
 def counters() -> dict[str, int]:

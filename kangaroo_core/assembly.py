@@ -105,15 +105,20 @@ def build_verifier(spec: EngineSpec, config: DecodeConfig) -> Verifier:
     return _piece("verifier", verifier_name(spec, config), config, spec.verifier_options)
 
 
-def build_pieces(spec: EngineSpec, backend: Backend | None = None) -> Pieces:
-    """Every piece of ``spec``, each built once (``backend``: an already loaded backend to reuse)."""
+def check_spec(spec: EngineSpec, *, backend_loaded: bool = False) -> None:
+    """Every plugin name and option of ``spec`` checked, before any model loads (also where it loads elsewhere)."""
     registry = get_registry()
     named = [("backend", spec.backend, spec.all_backend_options()), ("drafter", spec.drafter, spec.all_drafter_options()),
              ("policy", spec.policy, spec.policy_options), ("tree", spec.tree, spec.tree_options),
              ("verifier", verifier_name(spec, spec.config), spec.verifier_options)]
     for kind, piece, options in named:
-        if isinstance(piece, str) and not (kind == "backend" and backend is not None):
+        if isinstance(piece, str) and not (kind == "backend" and backend_loaded):
             registry.check_options(kind, piece, options)
+
+
+def build_pieces(spec: EngineSpec, backend: Backend | None = None) -> Pieces:
+    """Every piece of ``spec``, each built once (``backend``: an already loaded backend to reuse)."""
+    check_spec(spec, backend_loaded=backend is not None)
     drafter, backend = _drafter_and_backend(spec, backend)
     config = spec.config.replace(exit_layer=backend.exit_layer)
     return Pieces(backend, drafter, _piece("policy", spec.policy, config, spec.policy_options),

@@ -64,7 +64,8 @@ def _variant(backend) -> str:
         return str(backend.kernels)
     weights = getattr(backend, "weights", None)
     if weights == "gguf":
-        return f"gguf weights, accuracy level {backend.accuracy_level}"
+        kernel = f", {backend.kernel}" if getattr(backend, "kernel", None) else ""
+        return f"gguf weights, accuracy level {backend.accuracy_level}{kernel}"
     return str(weights or "default")
 
 

@@ -109,6 +109,7 @@ class _OnnxEngine:
     weights = "float32"  # "gguf": the GGUF file's own blocks as MatMulNBits (float32 activations)
     accuracy_level = None  # with weights "gguf": 4 = int8 activations (lossy by choice); None = the backend's default
     spinning = "none"  # the onnx backend's ``spinning`` option (kangaroo_backends.onnx_backend.SPINNING)
+    kernel = "auto"  # the onnx backend's ``kernel`` option for gguf weights (kangaroo_backends.onnx_backend.KERNELS)
 
     def onnx_backend(self, context: BenchContext):
         from kangaroo_backends.onnx_backend import OnnxBackend
@@ -116,15 +117,16 @@ class _OnnxEngine:
         base = context.backend
         if (base.runtime == "onnxruntime" and getattr(base, "weights", "float32") == self.weights
                 and self.accuracy_level in (None, getattr(base, "accuracy_level", None))
-                and self.spinning == getattr(base, "spinning", "none")):
+                and self.spinning == getattr(base, "spinning", "none")
+                and self.kernel == getattr(getattr(base, "options", None), "kernel", "auto")):
             return base
         if context.model is None:
             raise KangarooError(f"{self.name} needs a backend holding the transformers model to export")
         return context.shared_backend(  # one backend (and export) per weights for the whole run
-            ("onnx", self.provider, self.weights, self.accuracy_level, self.spinning),
+            ("onnx", self.provider, self.weights, self.accuracy_level, self.spinning, self.kernel),
             lambda: OnnxBackend(context.model, context.tokenizer, base.exit_layer, base.model_name,
                                 provider=self.provider, threads=_threads(), weights=self.weights,
-                                accuracy_level=self.accuracy_level, spinning=self.spinning))
+                                accuracy_level=self.accuracy_level, spinning=self.spinning, kernel=self.kernel))
 
 
 class VanillaOnnx(_OnnxEngine, EngineMethod):
@@ -218,6 +220,21 @@ class KangarooOnnxGgufInt8(KangarooOnnxGguf):
     accuracy_level = 4
 
 
+class VanillaOnnxGgufInt8Nbits(VanillaOnnxGgufInt8):
+    """``vanilla_onnx_gguf_int8`` on onnxruntime's MatMulNBits instead of kangaroo's block kernel (the comparison)."""
+
+    name = "vanilla_onnx_gguf_int8_nbits"
+    kernel = "matmulnbits"
+
+
+class KangarooOnnxGgufInt8Nbits(KangarooOnnxGgufInt8):
+    """``kangaroo_onnx_gguf_int8`` on MatMulNBits; identical to ``vanilla_onnx_gguf_int8_nbits``."""
+
+    name = "kangaroo_onnx_gguf_int8_nbits"
+    target_alone = "vanilla_onnx_gguf_int8_nbits"
+    kernel = "matmulnbits"
+
+
 @hookimpl
 def register_bench_methods(register):
     register("ort_vanilla", ORTVanilla)
@@ -230,3 +247,5 @@ def register_bench_methods(register):
     register("vanilla_onnx_gguf_int8", VanillaOnnxGgufInt8)
     register("kangaroo_onnx_gguf_int8", KangarooOnnxGgufInt8)
     register("vanilla_onnx_gguf_int8_spin", VanillaOnnxGgufInt8Spin)
+    register("vanilla_onnx_gguf_int8_nbits", VanillaOnnxGgufInt8Nbits)
+    register("kangaroo_onnx_gguf_int8_nbits", KangarooOnnxGgufInt8Nbits)

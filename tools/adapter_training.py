@@ -384,12 +384,14 @@ def _latest_checkpoint(root: Path) -> Path | None:
 # -- the pipeline ---------------------------------------------------------------------------------------------------
 def train_adapter(backend, prompts_file: str | Path | None, work_dir: str | Path, out_dir: str | Path,
                   config: TrainConfig, *, command_line: str = "", log=lambda m: print(m, file=sys.stderr),
-                  generate: bool = True, corpus=None, progress: bool = True) -> dict:
+                  generate: bool = True, corpus=None, progress: bool = True, feature_pool=None) -> dict:
     """Run (or resume) the whole pipeline for ``backend``'s model; returns the training report.
 
     ``generate=False`` trains on the training shards recorded so far (the held-out shards must exist). With a
     ``corpus`` (:class:`kangaroo_tools.corpus.Corpus`) nothing is generated: its held-out split is the evaluation
-    set, its first ``num_prompts`` training answers the training set, and features are recomputed from it.
+    set, its first ``num_prompts`` training answers the training set, and features are recomputed from it — by the
+    Ray workers of ``feature_pool`` (a :class:`kangaroo_tools.ray_pool.LazyPool`, closed once the features are
+    written) when one is given.
     """
     if not 1 <= config.exit_layer < backend.num_layers:
         raise KangarooError(f"exit_layer must be in [1, {backend.num_layers - 1}], got {config.exit_layer}")
@@ -429,13 +431,17 @@ def train_adapter(backend, prompts_file: str | Path | None, work_dir: str | Path
     shard_kwargs = dict(layers=config.layers(), batch_size=config.generation_batch_size,
                         max_new_tokens=config.max_new_tokens, top_k=config.top_k, eos_ids=set(backend.eos_token_ids))
     if corpus is not None:
-        feature_kwargs = dict(layers=config.layers(), top_k=config.top_k, progress=progress)
-        heldout_paths = corpus_feature_shards(corpus, model, work / "features", "heldout", **feature_kwargs)
-        fast = config.feature_matmuls != "float32"  # perturbed features: a directory of their own
-        train_paths = corpus_feature_shards(corpus, model, work / ("features-" + config.feature_matmuls if fast else "features"),
-                                            "train", max_prompts=config.num_prompts,
-                                            matmul_dtype=getattr(torch, config.feature_matmuls) if fast else None,
-                                            **feature_kwargs)
+        feature_kwargs = dict(layers=config.layers(), top_k=config.top_k, progress=progress, pool=feature_pool)
+        try:
+            heldout_paths = corpus_feature_shards(corpus, model, work / "features", "heldout", **feature_kwargs)
+            fast = config.feature_matmuls != "float32"  # perturbed features: a directory of their own
+            train_paths = corpus_feature_shards(corpus, model, work / ("features-" + config.feature_matmuls if fast else "features"),
+                                                "train", max_prompts=config.num_prompts,
+                                                matmul_dtype=getattr(torch, config.feature_matmuls) if fast else None,
+                                                **feature_kwargs)
+        finally:
+            if feature_pool is not None:
+                feature_pool.close()  # the workers' CPUs go back before training starts
     else:
         heldout_paths = build_shards(model, tokenizer, heldout_prompts, work / "shards", "heldout", **shard_kwargs)
         train_paths = build_shards(model, tokenizer, train_prompts, work / "shards", "train", generate=generate,

@@ -328,6 +328,87 @@ def engine_greedy_answers(engine, prompt_ids: Sequence[list[int]], max_new_token
     return [engine.generate_ids(ids, max_new_tokens=max_new_tokens).token_ids for ids in prompt_ids]
 
 
+@attrs.frozen
+class ShardJob:
+    """One shard of the plan to answer: its split, its index and its prompts in plan order."""
+
+    split: str
+    index: int
+    prompts: tuple  # of kangaroo_tools.prompts.Prompt
+
+    @property
+    def name(self) -> str:
+        return shard_name(self.split, self.index)
+
+
+@attrs.frozen
+class ModelFacts:
+    """What a corpus records of the model that answers it (also what each remote worker reports of the model it
+    loaded, so a worker with another model is refused before anything is written)."""
+
+    fingerprint: str
+    model_name: str
+    template: str
+    vocab_size: int
+
+    @classmethod
+    def of(cls, backend) -> "ModelFacts":
+        return cls(backend.fingerprint, str(backend.model_name), prompt_template(backend.tokenizer), backend.vocab_size)
+
+
+def pending(corpus: Corpus, prompts_file: str | Path, settings: CorpusSettings, facts: ModelFacts, *,
+            max_train_shards: int | None = None, splits: Sequence[str] = SPLITS, log=print) -> tuple[dict, list[ShardJob]]:
+    """The manifest (created, or checked against ``facts`` and ``settings``) and the shards it still lacks, held-out
+    first, in plan order (``max_train_shards``: at most that many training shards)."""
+    from kangaroo_tools.prompts import read_prompts
+
+    prompts_file = Path(prompts_file)
+    prompts = {p.id: p for p in read_prompts(prompts_file, warn=log)}
+    manifest = corpus._start(fingerprint=facts.fingerprint, model_name=facts.model_name, prompts_file=prompts_file,
+                             settings=settings, template=facts.template)
+    layout = plan(list(prompts), settings)
+    todo = [ShardJob(split, i, tuple(prompts[pid] for pid in ids)) for split in splits
+            for i, ids in enumerate(layout[split]) if shard_name(split, i) not in manifest["shards"]]
+    if max_train_shards is not None:
+        train = [job for job in todo if job.split == "train"][:max_train_shards]
+        todo = [job for job in todo if job.split != "train"] + train
+    return manifest, todo
+
+
+def answer_shard(engine, job: ShardJob, settings: CorpusSettings, batch_size: int = 8) -> tuple[list[Record], dict]:
+    """The target's answers to one shard's prompts, and the shard's manifest entry. The same function answers in
+    process and on a remote worker, so a shard's answers do not depend on where it ran."""
+    from kangaroo_tools.prompts import encode_prompt
+
+    backend = engine.backend
+    t0 = time.perf_counter()
+    prompt_ids = [encode_prompt(backend.tokenizer, prompt)[-settings.max_prompt_tokens:] for prompt in job.prompts]
+    if job.split == "heldout":
+        answers = engine_greedy_answers(engine, prompt_ids, settings.max_new_tokens)
+    else:
+        answers = batched_greedy_answers(backend.base_model(), prompt_ids, settings.max_new_tokens,
+                                         backend.eos_token_ids, batch_size)
+    seconds = time.perf_counter() - t0
+    records = [Record(prompt.id, p, a) for prompt, p, a in zip(job.prompts, prompt_ids, answers)]
+    answer_tokens = sum(len(a) for a in answers)
+    entry = {
+        "prompts": len(records), "prompt_tokens": sum(len(p) for p in prompt_ids), "answer_tokens": answer_tokens,
+        "seconds": round(seconds, 2), "answer_tokens_per_second": round(answer_tokens / seconds, 2),
+        "generator": "engine" if job.split == "heldout" else f"hf-generate-batch{batch_size}-preallocated",
+        "threads": torch.get_num_threads(),
+        "device": str(backend.base_model().device),  # a GPU's greedy answers may part from the CPU's at near-ties
+    }
+    return records, entry
+
+
+def save_shard(corpus: Corpus, manifest: dict, job: ShardJob, records: Sequence[Record], entry: dict,
+               vocab_size: int) -> None:
+    """Write a finished shard atomically, then record it in the manifest (also atomically): only the process that
+    owns the manifest calls this, so no shard is written twice."""
+    write_shard(corpus.directory / job.name, records, vocab_size)
+    corpus._record_shard(manifest, job.name, entry)
+
+
 def build(corpus: Corpus, engine, prompts_file: str | Path, settings: CorpusSettings = CorpusSettings(), *,
           max_train_shards: int | None = None, batch_size: int = 8, deadline: float | None = None,
           progress: bool = True, log=print, splits: Sequence[str] = SPLITS) -> dict:
@@ -335,47 +416,21 @@ def build(corpus: Corpus, engine, prompts_file: str | Path, settings: CorpusSett
 
     ``engine`` is an :class:`~kangaroo_core.engine.Engine` of the target alone (``drafter=None``) on the torch
     backend. ``max_train_shards`` / ``deadline`` (a ``time.time()`` value) bound one sitting; finished shards stay.
+    (:mod:`kangaroo_tools.corpus_ray` answers the same shards on a pool of Ray workers.)
     """
     from tqdm.auto import tqdm
 
-    from kangaroo_tools.prompts import encode_prompt, read_prompts
-
-    backend = engine.backend
-    prompts_file = Path(prompts_file)
-    prompts = {p.id: p for p in read_prompts(prompts_file, warn=log)}
-    manifest = corpus._start(fingerprint=backend.fingerprint, model_name=backend.model_name, prompts_file=prompts_file,
-                             settings=settings, template=prompt_template(backend.tokenizer))
-    layout = plan(list(prompts), settings)
-    todo = [(split, i, ids) for split in splits for i, ids in enumerate(layout[split])
-            if shard_name(split, i) not in manifest["shards"]]
-    if max_train_shards is not None:
-        train = [t for t in todo if t[0] == "train"][:max_train_shards]
-        todo = [t for t in todo if t[0] != "train"] + train
+    facts = ModelFacts.of(engine.backend)
+    manifest, todo = pending(corpus, prompts_file, settings, facts, max_train_shards=max_train_shards, splits=splits,
+                             log=log)
     bar = tqdm(total=len(todo), desc="corpus shards", unit="shard", disable=not progress)
-    for split, index, ids in todo:
+    for job in todo:
         if deadline is not None and time.time() > deadline:
             log("deadline reached; the corpus keeps every finished shard")
             break
-        t0 = time.perf_counter()
-        prompt_ids = [encode_prompt(backend.tokenizer, prompts[pid])[-settings.max_prompt_tokens:] for pid in ids]
-        if split == "heldout":
-            answers = engine_greedy_answers(engine, prompt_ids, settings.max_new_tokens)
-        else:
-            answers = batched_greedy_answers(backend.base_model(), prompt_ids, settings.max_new_tokens,
-                                             backend.eos_token_ids, batch_size)
-        seconds = time.perf_counter() - t0
-        records = [Record(pid, p, a) for pid, p, a in zip(ids, prompt_ids, answers)]
-        name = shard_name(split, index)
-        write_shard(corpus.directory / name, records, backend.vocab_size)
-        answer_tokens = sum(len(a) for a in answers)
-        corpus._record_shard(manifest, name, {
-            "prompts": len(records), "prompt_tokens": sum(len(p) for p in prompt_ids), "answer_tokens": answer_tokens,
-            "seconds": round(seconds, 2), "answer_tokens_per_second": round(answer_tokens / seconds, 2),
-            "generator": "engine" if split == "heldout" else f"hf-generate-batch{batch_size}-preallocated",
-            "threads": torch.get_num_threads(),
-            "device": str(backend.base_model().device),  # a GPU's greedy answers may part from the CPU's at near-ties
-        })
+        records, entry = answer_shard(engine, job, settings, batch_size)
+        save_shard(corpus, manifest, job, records, entry, facts.vocab_size)
         bar.update(1)
-        bar.set_postfix(tok_s=f"{answer_tokens / seconds:.1f}")
+        bar.set_postfix(tok_s=f"{entry['answer_tokens_per_second']:.1f}")
     bar.close()
     return corpus.summary()

@@ -159,15 +159,19 @@ def load_shards(paths: Sequence[Path], layer: int) -> Iterator[dict]:
 
 def corpus_feature_shards(corpus, model, directory: Path, split: str, *, layers: Sequence[int], top_k: int,
                           batch_size: int = 8, max_prompts: int | None = None, progress: bool = True,
-                          matmul_dtype: torch.dtype | None = None) -> list[Path]:
+                          matmul_dtype: torch.dtype | None = None, pool=None) -> list[Path]:
     """Recompute hidden states and soft labels from a committed corpus (:mod:`kangaroo_tools.corpus`) by a batched
     teacher-forced pass: one feature shard per ``batch_size`` sequences, under ``directory`` (a cache, never
     committed; existing shards are kept, so an interrupted pass resumes). ``max_prompts`` bounds the split;
-    ``matmul_dtype``: see :func:`extract_features` (callers keep such shards in their own directory)."""
+    ``matmul_dtype``: see :func:`extract_features` (callers keep such shards in their own directory).
+
+    ``pool`` (a :class:`kangaroo_tools.ray_pool.LazyPool`): the missing shards are computed by its Ray workers (the
+    same function on the same model, checked by fingerprint) and written here as they finish."""
     from kangaroo_tools.corpus import read_shard
 
     directory.mkdir(parents=True, exist_ok=True)
     paths: list[Path] = []
+    missing: list[tuple[Path, list]] = []  # (path, records) of the shards to compute, in plan order
     taken = 0
     names = corpus.shard_names(split)
     bar = tqdm(total=max_prompts or sum(corpus.manifest()["shards"][n]["prompts"] for n in names),
@@ -185,13 +189,26 @@ def corpus_feature_shards(corpus, model, directory: Path, split: str, *, layers:
             path = directory / f"{stem}-{sub // batch_size:03d}.safetensors"
             paths.append(path)
             batch = records[sub:sub + batch_size]
-            if not path.exists():
-                shard = extract_features(model, [r.tokens for r in batch], [len(r.prompt) for r in batch], layers, top_k,
-                                         matmul_dtype)
-                tmp = path.with_suffix(".tmp")
-                save_file({k: v.contiguous() for k, v in shard.items()}, tmp,
-                          metadata={"prompt_ids": json.dumps([r.prompt_id for r in batch])})
-                tmp.replace(path)
-            bar.update(len(batch))
+            if path.exists():
+                bar.update(len(batch))
+            else:
+                missing.append((path, batch))
+    if missing and pool is not None:
+        workers = pool.get()
+        if workers.model.fingerprint != corpus.manifest()["base_model_fingerprint"]:
+            raise KangarooError(f"the Ray workers hold model {workers.model.fingerprint}, not the corpus' base model "
+                                f"{corpus.manifest()['base_model_fingerprint']}")
+        finished = workers.run(missing, lambda actor, job: actor.features.remote(
+            [r.tokens for r in job[1]], [len(r.prompt) for r in job[1]], list(layers), top_k, matmul_dtype),
+            name=lambda job: job[0].name)
+    else:
+        finished = ((job, extract_features(model, [r.tokens for r in job[1]], [len(r.prompt) for r in job[1]], layers,
+                                           top_k, matmul_dtype)) for job in missing)
+    for (path, batch), shard in finished:
+        tmp = path.with_suffix(".tmp")
+        save_file({k: v.contiguous() for k, v in shard.items()}, tmp,
+                  metadata={"prompt_ids": json.dumps([r.prompt_id for r in batch])})
+        tmp.replace(path)
+        bar.update(len(batch))
     bar.close()
     return paths

@@ -50,17 +50,23 @@ def served_name(model_name: str) -> str:
 
 
 def create_app(engine, *, model_id: str | None = None, queue_size: int = 16, default_max_tokens: int | None = None,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_batch: int = 1) -> FastAPI:
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_batch: int = 1,
+               worker_factory=None) -> FastAPI:
     """An app serving ``engine`` (``max_batch`` requests decoding together, 1: one at a time; ``queue_size``
     waiting). Sampling defaults are the engine's config; ``default_max_tokens`` (default: the engine's
-    ``max_new_tokens``) caps answers that set no ``max_tokens``."""
+    ``max_new_tokens``) caps answers that set no ``max_tokens``.
+
+    ``worker_factory(metrics)`` makes the worker that decodes (default: an :class:`EngineWorker` over ``engine``);
+    ``kangaroo serve --replicas`` passes a dispatcher to engine replicas, and ``engine`` is then only the engine's
+    description (:class:`kangaroo_apps.serve.replica.EngineFacts`)."""
     model_id = model_id or served_name(engine.backend.model_name)
     defaults = engine.config
     default_max_tokens = default_max_tokens or defaults.max_new_tokens
     context = engine.backend.max_context
     front_tokenizer = copy.deepcopy(engine.backend.tokenizer)  # the engine thread decodes with the original
     metrics = ServerMetrics(defaults.gamma)
-    worker = EngineWorker(engine, metrics, queue_size=queue_size, max_batch=max_batch)
+    worker = (EngineWorker(engine, metrics, queue_size=queue_size, max_batch=max_batch) if worker_factory is None
+              else worker_factory(metrics))
     started = time.time()
 
     async def lifespan(_app):
@@ -156,7 +162,7 @@ def create_app(engine, *, model_id: str | None = None, queue_size: int = 16, def
     @app.get("/health")
     async def health():
         body = {"status": "ok" if worker.alive else "engine down", "model": model_id, "queue_depth": worker.depth(),
-                "max_batch": worker.max_batch,
+                "max_batch": worker.max_batch, **({"replicas": worker.replicas} if hasattr(worker, "replicas") else {}),
                 "backend": engine.backend.name, "drafter": getattr(engine.drafter, "name", None) or "none",
                 "uptime_seconds": round(time.time() - started, 1)}
         return JSONResponse(body, status_code=200 if worker.alive else 503)

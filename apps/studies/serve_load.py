@@ -11,6 +11,10 @@ one at a time, and the report says whether
 * ``/health`` still answers ok.
 
     python -m kangaroo_apps.studies.serve_load --url http://127.0.0.1:8000 --clients 16 --requests 4
+
+Two servers compared (``kangaroo serve --threads 2`` vs ``kangaroo serve --replicas 2 --threads 1``, docs/scaling.md):
+``--answers-out FILE`` keeps one run's answers, ``--compare-answers FILE`` counts the answers of another run that are
+identical to them (same prompts, clients and requests).
 """
 
 from __future__ import annotations
@@ -95,9 +99,21 @@ def send(client, model: str, spec: Spec, max_tokens: int, max_retries: int = 120
     return outcome
 
 
+def answer_key(spec: Spec) -> str:
+    return f"{spec.client}-{spec.index}"
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
+
+
 def run_load(url: str, prompts: list[str], *, clients: int = 16, requests: int = 4, max_tokens: int = 48,
-             progress=None, greedy: bool = False) -> dict:
-    """Run the load and the checks; returns the report (see the module docstring)."""
+             progress=None, greedy: bool = False, reference: dict[str, str] | None = None) -> dict:
+    """Run the load and the checks; returns the report (see the module docstring). ``reference``: another run's
+    ``answers`` (by :func:`answer_key`) to count identical answers against."""
     import httpx
     import openai
 
@@ -144,7 +160,15 @@ def run_load(url: str, prompts: list[str], *, clients: int = 16, requests: int =
         "load_seconds": round(load_seconds, 2),
         "new_tokens_per_second_under_load": round(sum(o.tokens for o in outcomes.values()) / load_seconds, 2),
         "first_token_seconds": sorted(round(o.first_token, 2) for o in outcomes.values() if o.first_token is not None),
+        "first_token_seconds_median": _quantile([o.first_token for o in outcomes.values()
+                                                 if o.first_token is not None], 0.5),
+        "request_seconds_median": _quantile([o.seconds for o in outcomes.values()], 0.5),
+        "request_seconds_p90": _quantile([o.seconds for o in outcomes.values()], 0.9),
         "health_after": health.status_code == 200 and health.json().get("status") == "ok",
+        **({} if reference is None else {
+            "identical_to_reference": sum(reference.get(answer_key(s)) == o.text for s, o in outcomes.items()
+                                          if not o.error)}),
+        "answers": {answer_key(s): o.text for s, o in sorted(outcomes.items(), key=lambda i: (i[0].client, i[0].index))},
     }
 
 
@@ -163,7 +187,10 @@ def passed(report: dict) -> bool:
 @click.option("--max-tokens", type=int, default=48, show_default=True)
 @click.option("--greedy", is_flag=True, help="Every request greedy (default: every other one sampled, seeded).")
 @click.option("--out", default=None, help="Also write the report as JSON here.")
-def main(url, questions, clients, requests, max_tokens, greedy, out) -> None:
+@click.option("--answers-out", default=None, help="Write this run's answers as JSON here (for --compare-answers).")
+@click.option("--compare-answers", default=None,
+              help="Count the answers identical to another run's (its --answers-out file); every one must be.")
+def main(url, questions, clients, requests, max_tokens, greedy, out, answers_out, compare_answers) -> None:
     """Load-test a running kangaroo server; exit 1 unless every check passes."""
     from tqdm import tqdm
 
@@ -173,14 +200,23 @@ def main(url, questions, clients, requests, max_tokens, greedy, out) -> None:
     total = clients * requests
     distinct = {(p.prompt, p.temperature, p.seed) for p in plan(prompts, clients, requests, greedy)}
     with tqdm(total=total + len(distinct), desc="load + single-client reruns", unit="req", file=sys.stderr) as bar:
+        reference = None
+        if compare_answers:
+            with open(compare_answers) as handle:
+                reference = json.load(handle)
         report = run_load(url, prompts, clients=clients, requests=requests, max_tokens=max_tokens,
-                          progress=bar.update, greedy=greedy)
+                          progress=bar.update, greedy=greedy, reference=reference)
+    answers = report.pop("answers")
+    if answers_out:
+        with open(answers_out, "w") as handle:
+            json.dump(answers, handle, indent=1)
     text = json.dumps(report, indent=2)
     click.echo(text)
     if out:
         with open(out, "w") as handle:
             handle.write(text + "\n")
-    sys.exit(0 if passed(report) else 1)
+    same = reference is None or report["identical_to_reference"] == report["responses"]
+    sys.exit(0 if passed(report) and same else 1)
 
 
 if __name__ == "__main__":

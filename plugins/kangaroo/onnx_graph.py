@@ -137,8 +137,13 @@ def _cases(adapter, shared_head, seed: int = 0):
 
 
 def export_adapter_graph(adapter, shared_head, out_dir: Path, *, fingerprint: str, exit_layer: int, key: str,
-                         opset: int = DEFAULT_OPSET, tolerance: float = DEFAULT_TOLERANCE, quiet: bool = False) -> dict[str, Any]:
-    """Export and validate the adapter graph into ``out_dir`` (atomically); returns its manifest."""
+                         opset: int = DEFAULT_OPSET, tolerance: float = DEFAULT_TOLERANCE, quiet: bool = False,
+                         blocks: str | None = None) -> dict[str, Any]:
+    """Export and validate the adapter graph into ``out_dir`` (atomically); returns its manifest. ``blocks``
+    (``int8`` / ``float32``: a backend on kangaroo's block kernel at those activations): the graph's float32 products
+    then run on that kernel over Q8_0 blocks of their weights
+    (:func:`~kangaroo_backends.block_weights.quantize_float_products`), checked against eager PyTorch to a sanity
+    bound only (drafts, not outputs, depend on it)."""
     adapter = adapter.float().eval()
     shared_head = shared_head.float()
     cfg = adapter.config
@@ -165,7 +170,16 @@ def export_adapter_graph(adapter, shared_head, out_dir: Path, *, fingerprint: st
         cases = _deep_cases(graph, adapter) if adapter.reads_deep_states else _cases(adapter, shared_head)
         check = validate_outputs(file, inputs, cases)
         limit = check_tolerance("adapter", check, tolerance)
-        manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "file": GRAPH_FILE, "opset": opset,
+        quantized = {}
+        if blocks is not None:
+            from kangaroo_backends.block_weights import quantize_float_products
+            from kangaroo_backends.onnx_export import LOSSY_TOLERANCE
+
+            quantized = {"block_kernel": {"products": quantize_float_products(file, blocks), "weights": "Q8_0",
+                                          "activations": blocks}}
+            check = validate_outputs(file, inputs, cases)
+            limit = check_tolerance("adapter (Q8_0 blocks)", check, LOSSY_TOLERANCE)
+        manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "file": GRAPH_FILE, "opset": opset, **quantized,
                     "base_model_fingerprint": fingerprint, "exit_layer": exit_layer, "adapter": key,
                     "architecture": adapter.architecture(), "inputs": inputs, "outputs": outputs,
                     "validation": {**check, "tolerance": limit, "cases": VALIDATION_CASES},

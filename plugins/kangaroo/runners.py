@@ -187,6 +187,16 @@ class DeepContextTorchRunner(TorchAdapterRunner):
             self._write(start, seen - start)
 
 
+def _block_activations(backend) -> str | None:
+    """``int8`` / ``float32`` when the backend multiplies on kangaroo's block kernel (the adapter graph then does too,
+    at the same activations), else None."""
+    if getattr(backend, "kernel", None) != "blocks":
+        return None
+    from kangaroo_backends.block_weights import activations_at
+
+    return activations_at(backend.accuracy_level)
+
+
 class OnnxAdapterRunner(DraftRunner):
     """The exported adapter graph (see :mod:`kangaroo_plugins.kangaroo.onnx_graph`) on the backend's onnxruntime;
     exported once per (base model, exit layer, adapter) into the backend's artefact directory."""
@@ -201,7 +211,7 @@ class OnnxAdapterRunner(DraftRunner):
             try:
                 export_adapter_graph(adapter, backend.shared_head(), directory, fingerprint=backend.fingerprint,
                                      exit_layer=backend.exit_layer, key=key, opset=opset, tolerance=tolerance,
-                                     quiet=getattr(backend, "quiet", False))
+                                     quiet=getattr(backend, "quiet", False), blocks=_block_activations(backend))
             except OSError as exc:  # e.g. a read-only bundle exported without this adapter
                 raise OnnxExportError(f"cannot export the adapter graph into {directory}: {exc}; export the bundle "
                                       f"with this adapter (`kangaroo export-onnx --adapter DIR`)") from None
