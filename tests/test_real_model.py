@@ -154,9 +154,9 @@ def alone_and_drafted(backend, config, prompt_ids):
 
 @pytest.mark.usefixtures("drops_its_onnx_exports")
 def test_the_gguf_file_s_own_4_bit_weights_on_onnxruntime(smollm, references):
-    """The 4-bit onnx backend (MatMulNBits over the GGUF blocks, float32 activations): Kangaroo with the shipped
-    adapter is token-identical to that backend's target alone; it computes transformers' weights, so it also matches
-    transformers' float32 greedy output up to near-ties."""
+    """The 4-bit onnx backend (kangaroo's block kernel over the GGUF blocks, float32 activations: the default):
+    Kangaroo with the shipped adapter is token-identical to that backend's target alone; it computes transformers'
+    weights, so it also matches transformers' float32 greedy output up to near-ties."""
     pytest.importorskip("onnxruntime")
     from kangaroo_backends.onnx_backend import OnnxBackend
 
@@ -173,29 +173,30 @@ def test_the_gguf_file_s_own_4_bit_weights_on_onnxruntime(smollm, references):
         assert tree.token_ids == alone.token_ids, prompt
         assert_identical_or_near_tie(model, prompt_ids, reference, alone.token_ids, backend.eos_token_ids,
                                      f"gguf onnx prompt={prompt!r}")
-    assert backend.manifest["weights"]["format"] == "gguf-matmulnbits"
+    assert backend.manifest["weights"]["format"] == "gguf-blocks"
 
 
 @pytest.mark.usefixtures("drops_its_onnx_exports")
-@pytest.mark.parametrize("threads", [1, 2])
-def test_int8_activations_verify_all_rows_at_once_and_exactly_on_the_real_model(smollm, references, threads):
-    """At accuracy level 4 the 4-bit graphs multiply all rows in one MatMulNBits call (its int8 kernel computes each
-    row alone): on SmolLM2 a verify pass of n = 2..16 rows reproduces one-position passes bit for bit, and Kangaroo is
-    token-identical to this backend's own target alone (int8 activations are lossy against transformers, by choice)."""
+@pytest.mark.parametrize("threads,kernel", [(1, "blocks"), (2, "blocks"), (2, "matmulnbits")])
+def test_int8_activations_verify_all_rows_at_once_and_exactly_on_the_real_model(smollm, references, threads, kernel):
+    """At accuracy level 4 the 4-bit graphs multiply all rows at once, each row computed as alone (kangaroo's block
+    kernel; or one MatMulNBits call, whose int8 kernel computes each row alone): on SmolLM2 a verify pass of n = 2..16
+    rows reproduces one-position passes bit for bit, and Kangaroo is token-identical to this backend's own target
+    alone (int8 activations are lossy against transformers, by choice)."""
     pytest.importorskip("onnxruntime")
     import random
 
-    from kangaroo_backends.gguf_nbits import ROWS_AT_ONCE
+    from kangaroo_backends.gguf_nbits import ROWS_AT_ONCE, ROWS_BLOCKS
     from kangaroo_backends.onnx_backend import OnnxBackend
     from kangaroo_apps.testing import check_rows_exact
 
     model, tokenizer, name = smollm
     backend = OnnxBackend(model, tokenizer, 2, name, provider="cpu", weights="gguf", accuracy_level=4, threads=threads,
-                          quiet=True)
+                          quiet=True, kernel=kernel)
     rng = random.Random(2)
     ids = [rng.randrange(backend.vocab_size) for _ in range(146)]
     check_rows_exact(backend, ids[:130], ids[130:], splits=[(n,) for n in (2, 3, 5, 8, 16)] + [(1, 7, 8)])
-    assert backend.manifest["weights"]["rows"] == ROWS_AT_ONCE
+    assert backend.manifest["weights"]["rows"] == (ROWS_BLOCKS if kernel == "blocks" else ROWS_AT_ONCE)
     config = DecodeConfig(exit_layer=2, max_new_tokens=NEW_TOKENS)
     for prompt in PROMPTS[:2]:
         prompt_ids, _ = references[prompt]
