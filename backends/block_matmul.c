@@ -53,7 +53,6 @@ typedef struct {
      * d and d·Σq [block][8 rows]; q8 weights on VNNI read the codes offset by +128 (unsigned) */
     uint8_t *lanes;
     float *lanes_d, *lanes_dsum;
-    int offset128;
     /* q4, few rows: per row and pair of blocks (b, b + 1), 64 bytes — elements 0-15 of b and of b + 1, then elements
      * 16-31 of both (what one load of the pair's nibbles unpacks to); d and d·Σq per group of 8 blocks in the order
      * the pairs reduce to (PAIR_ORDER), zero past the last block */
@@ -122,7 +121,6 @@ AVX2 static void quantize_rows(block_acts *a) {
 /* the rows in lanes (see block_acts): 0 when out of memory */
 static int interleave(block_acts *a, int offset128) {
     long tiles = (a->rows + QTILE - 1) / QTILE, nb = a->blocks;
-    a->offset128 = offset128;
     a->lanes = malloc((size_t)(tiles * nb * 256));
     a->lanes_d = calloc((size_t)(tiles * nb * 8), sizeof(float));
     a->lanes_dsum = calloc((size_t)(tiles * nb * 8), sizeof(float));

@@ -295,9 +295,8 @@ def matmul(weight: BlockWeight, x: np.ndarray, activations: str = "int8") -> np.
         raise RuntimeError(why)
     x = np.ascontiguousarray(x, dtype=np.float32)
     y = np.empty((x.shape[0], weight.n), dtype=np.float32)
-    mins = weight.mins if weight.mins is not None else None
     status = lib.block_matmul(FAMILIES[weight.family], weight.sub, weight.n, weight.k, weight.codes.ctypes.data,
-                              weight.scales.ctypes.data, None if mins is None else mins.ctypes.data,
+                              weight.scales.ctypes.data, None if weight.mins is None else weight.mins.ctypes.data,
                               ACTIVATIONS[activations], x.ctypes.data, x.shape[0], y.ctypes.data)
     if status == -1:
         raise RuntimeError("kangaroo's block kernel needs a CPU with AVX2 and FMA")

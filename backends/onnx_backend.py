@@ -521,42 +521,33 @@ class OnnxBackend(Backend):
         return session
 
     def _attention_swapped(self, path: Path, options, swap: bool = True) -> bytes | None:
-        """The graph with its attention swapped for the in-place op (``swap``; and the op's library registered in
-        ``options``), or None to load the file as it is (see :data:`ATTENTION`). A graph whose products run on
-        kangaroo's block kernel gets the library in any case."""
+        """The graph to load: with its attention swapped for the in-place op (``swap``; see :data:`ATTENTION`), or
+        None for the file as it is. kangaroo's op library is registered in ``options`` where the graph needs it: for
+        the swapped attention, and in any case for the block kernel's products."""
         from kangaroo_backends import ort_attention
 
-        if self.kernel == "blocks" and self.provider == PROVIDERS["cpu"] and ort_attention.register_if_used(path, options):
-            return self._swap_registered(path) if swap and self.attention != "exported" else None
-        if not swap or self.attention == "exported":
+        swap = swap and self.attention != "exported"
+        if not swap and self.kernel != "blocks":
             return None
         library, why = ort_attention.library()
         if self.provider != PROVIDERS["cpu"]:
-            why = f"it runs on CPU only (provider {self.provider})"
-        if library is None or self.provider != PROVIDERS["cpu"]:
-            if self.attention == "in_place":
-                raise ConfigError(f"attention=in_place: kangaroo's attention op is not available: {why}")
-            return None
+            library, why = None, f"it runs on CPU only (provider {self.provider})"
+        if swap and library is None and self.attention == "in_place":
+            raise ConfigError(f"attention=in_place: kangaroo's attention op is not available: {why}")
         import onnx
 
         try:
             proto = onnx.load(str(path))
         except Exception:  # noqa: BLE001  (a corrupt file: onnxruntime's own load says so, in the caller's words)
             return None
-        if not ort_attention.swap_attention(proto):
-            return None  # not marked: a bundle exported before graph revision 6, or a drafter's own graph
-        self.swapped.add(path)
-        options.register_custom_ops_library(str(library))
-        return proto.SerializeToString()
-
-    def _swap_registered(self, path: Path) -> bytes | None:
-        """The graph with its attention swapped (the library already registered), or None to load it as it is."""
-        import onnx
-
-        from kangaroo_backends import ort_attention
-
-        proto = onnx.load(str(path))
-        if not ort_attention.swap_attention(proto):
+        blocks = ort_attention.uses_ops(proto)  # before the swap adds nodes of the same domain
+        if blocks:
+            ort_attention.require(path)
+        # not marked: a bundle exported before graph revision 6, or a drafter's own graph
+        swapped = swap and library is not None and ort_attention.swap_attention(proto) > 0
+        if blocks or swapped:
+            options.register_custom_ops_library(str(ort_attention.library()[0]))
+        if not swapped:
             return None
         self.swapped.add(path)
         return proto.SerializeToString()

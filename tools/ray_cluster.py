@@ -91,13 +91,3 @@ def failure_reason(exc: BaseException) -> str:
         return f"{name.rsplit('.', 1)[-1]}: {message}" if message else lines[-1]
     return lines[0]
 
-
-def load_on_worker(make_engine):
-    """``make_engine()`` on a worker, tried twice: workers starting together on one node may all convert the same
-    GGUF on its first use, and all but the first find the cache directory made under them (the retry loads it)."""
-    try:
-        return make_engine()
-    except KangarooError:
-        raise
-    except OSError:
-        return make_engine()

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 
 from kangaroo_core.errors import KangarooError
-from kangaroo_tools.ray_cluster import failure_reason, import_ray, load_on_worker
+from kangaroo_tools.ray_cluster import failure_reason, import_ray
 
 #: times one job is handed out before the pass gives up on it (a job that kills every worker it meets)
 MAX_ATTEMPTS = 3
@@ -33,7 +33,7 @@ class ModelWorker:
         from kangaroo_tools.corpus import ModelFacts
 
         torch.set_num_threads(threads)  # before the model loads: one worker's share of the node's cores
-        self.engine = load_on_worker(make_engine)
+        self.engine = make_engine()  # several workers converting one GGUF at once: loading.py takes the first
         self.model = ModelFacts.of(self.engine.backend)
 
     def facts(self):

@@ -181,10 +181,8 @@ class EngineReplica:
     def __init__(self, make_engine, threads: int, queue_size: int, max_batch: int):
         import torch
 
-        from kangaroo_tools.ray_cluster import load_on_worker
-
         torch.set_num_threads(threads)
-        self.engine = load_on_worker(make_engine)
+        self.engine = make_engine()
         self.engine.generate("Hello", max_new_tokens=4)  # warm-up before the first client, as `kangaroo serve` does
         self.relay = RelayMetrics()
         self.worker = EngineWorker(self.engine, self.relay, queue_size=queue_size, max_batch=max_batch)
