@@ -40,11 +40,12 @@ def read_prompts(path: str | Path) -> list[tuple[str, str]]:
     return prompts
 
 
-def answer_file(engine, path: str | Path, *, batch: int, chat: bool, as_json: bool, progress: bool = True) -> dict:
-    """Decode every prompt of ``path``, ``batch`` at a time; print answers in input order. Returns the totals."""
+def answer_file(engine, prompts: list[tuple[str, str]], *, batch: int, chat: bool, as_json: bool,
+                progress: bool = True) -> dict:
+    """Decode every ``(id, prompt)`` of :func:`read_prompts` (read before the engine is built, so a bad file costs no
+    model load), ``batch`` at a time; print answers in input order. Returns the totals."""
     from tqdm import tqdm
 
-    prompts = read_prompts(path)
     runner = engine.batch(batch)
     streams = [runner.submit(prompt, chat=chat, key=key) for key, prompt in prompts]  # checked before any decoding
     start, printed, tokens = time.perf_counter(), 0, 0

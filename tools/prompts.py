@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -28,7 +29,7 @@ def read_prompts(path: str | Path, *, warn=print) -> list[Prompt]:
         raise KangarooError(f"prompts file not found: {path}")
     prompts: list[Prompt] = []
     seen: set[str] = set()
-    with open(path, "rb") as handle:
+    with open_prompts(path) as handle:
         for number, raw in enumerate(handle, start=1):
             try:
                 line = raw.decode("utf-8")
@@ -46,6 +47,18 @@ def read_prompts(path: str | Path, *, warn=print) -> list[Prompt]:
     if not prompts:
         raise KangarooError(f"{path} holds no usable prompts")
     return prompts
+
+
+def open_prompts(path: str | Path):
+    """A prompts file opened for reading bytes; ``*.gz`` is decompressed on the fly (the shipped prompts are)."""
+    path = Path(path)
+    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+
+
+def prompts_bytes(path: str | Path) -> bytes:
+    """The file's content, decompressed: what a digest of the prompts must cover (the same with or without gzip)."""
+    with open_prompts(path) as handle:
+        return handle.read()
 
 
 def _parse_prompt(item: dict, number: int) -> Prompt:

@@ -82,3 +82,11 @@ def subtasks_in_order(questions: list[Question]) -> list[str]:
     """Subtasks present, Spec-Bench's order first, then others in file order."""
     present = list(OrderedDict.fromkeys(q.subtask for q in questions))
     return [s for s in SUBTASKS if s in present] + [s for s in present if s not in SUBTASKS]
+
+
+def demo_questions(path: str | Path, prompt: str | None = None) -> list[Question]:
+    """``kangaroo demo``'s questions: your prompt as one question, else the first question of every subtask in
+    ``path`` (first turn only)."""
+    if prompt is not None:
+        return [Question("prompt", "your prompt", (prompt,))]
+    return [attrs.evolve(q, turns=q.turns[:1]) for q in load_questions(path, limit_per_subtask=1)]

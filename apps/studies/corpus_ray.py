@@ -21,6 +21,8 @@ from pathlib import Path
 
 import click
 
+from kangaroo_apps.cli_options import SHIPPED_PROMPTS
+
 
 def _first_prompts(source: Path, count: int, target: Path) -> Path:
     """The first ``count`` usable prompts of ``source``, as a prompts file of their own."""
@@ -83,7 +85,7 @@ def on_ray(model, prompts: Path, settings, directory: Path, workers: int, thread
 
 
 @click.command()
-@click.option("--prompts", "prompts_file", default="../shared/data/train_prompts.jsonl", show_default=True,
+@click.option("--prompts", "prompts_file", **SHIPPED_PROMPTS,
               help="Training prompts (never Spec-Bench); the first --count usable ones are answered.")
 @click.option("--count", type=int, default=16, show_default=True)
 @click.option("--model", default=None, help="As for `kangaroo corpus build` (default: SmolLM2-135M-Instruct).")

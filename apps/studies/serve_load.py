@@ -29,6 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 import attrs
 import click
 
+from kangaroo_apps.cli_options import SHIPPED_QUESTIONS
+
 
 @attrs.frozen
 class Spec:
@@ -180,7 +182,7 @@ def passed(report: dict) -> bool:
 
 @click.command()
 @click.option("--url", default="http://127.0.0.1:8000", show_default=True)
-@click.option("--questions", default="../shared/data/specbench_dev.jsonl", show_default=True,
+@click.option("--questions", **SHIPPED_QUESTIONS,
               help="Prompts: the first turn of each question of this Spec-Bench file.")
 @click.option("--clients", type=int, default=16, show_default=True)
 @click.option("--requests", type=int, default=4, show_default=True, help="Requests per client.")

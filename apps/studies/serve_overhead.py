@@ -21,6 +21,8 @@ import time
 
 import click
 
+from kangaroo_apps.cli_options import SHIPPED_QUESTIONS
+
 
 def wait_healthy(url: str, process, timeout: float = 600) -> None:
     import httpx
@@ -39,7 +41,7 @@ def wait_healthy(url: str, process, timeout: float = 600) -> None:
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
-@click.option("--questions", default="../shared/data/specbench_dev.jsonl", show_default=True)
+@click.option("--questions", **SHIPPED_QUESTIONS)
 @click.option("--limit", type=int, default=12, show_default=True, help="Prompts (first turns) to send.")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
 @click.option("--repeats", type=int, default=1, show_default=True, help="Send every prompt this many times.")

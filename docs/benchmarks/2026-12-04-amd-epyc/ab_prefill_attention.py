@@ -17,7 +17,7 @@ orig = before.session
 before.session = lambda path, spin=False, swap=True: orig(path, spin=spin, swap=True)  # old rule: every graph swapped
 before.reset(); after.reset()
 print("before swapped:", sorted(p.name for p in before.swapped), " after:", sorted(p.name for p in after.swapped))
-qs = [json.loads(l) for l in open("../shared/data/specbench_dev.jsonl")]
+qs = [json.loads(l) for l in open("kangaroo_data/specbench_dev.jsonl")]
 tot = {"before": 0.0, "after": 0.0}
 for q in qs:
     ids = tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True)

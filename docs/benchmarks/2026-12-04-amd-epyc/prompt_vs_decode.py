@@ -24,7 +24,7 @@ def run_int8(ids, n):
 def run_ort(ids, n):
     t = time.perf_counter(); g = ortm.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
     return time.perf_counter() - t, g.shape[1] - len(ids)
-qs = [json.loads(l) for l in open("../shared/data/specbench_dev.jsonl")]
+qs = [json.loads(l) for l in open("kangaroo_data/specbench_dev.jsonl")]
 tot = {k: [0.0, 0.0, 0] for k in ("ort_vanilla", "int8")}
 for q in qs:
     ids = tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True)

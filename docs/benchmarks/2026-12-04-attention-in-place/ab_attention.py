@@ -28,7 +28,7 @@ for label, attention in (("exported attention", "exported"), ("in-place attentio
     backend = OnnxBackend(model, tok, 2, name, provider="cpu", weights="gguf", accuracy_level=4, attention=attention,
                           threads=threads, spinning="deep" if threads > 1 else "none", quiet=True)
     engines[label] = Engine(backend, None, ThresholdPolicy(), GreedyVerifier(), config)
-questions = [json.loads(line) for line in open("../shared/data/specbench_dev.jsonl")]
+questions = [json.loads(line) for line in open("kangaroo_data/specbench_dev.jsonl")]
 stats = {k: collections.defaultdict(lambda: [0, 0.0]) for k in engines}
 same = 0
 for engine in engines.values():
