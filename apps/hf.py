@@ -1,8 +1,8 @@
 """Kangaroo inside transformers: ``model.generate(..., custom_generate=kangaroo_generate)``.
 
-transformers (4.57) hands a callable ``custom_generate`` the prepared ``generation_config``, ``logits_processor`` and
-``stopping_criteria``; :func:`kangaroo_generate` runs the Kangaroo loop on the caller's *already loaded* model (its
-modules and weights shared, nothing reloaded) and returns what ``generate`` returns::
+transformers (4.57 and 5.x alike) hands a callable ``custom_generate`` the prepared ``generation_config``,
+``logits_processor`` and ``stopping_criteria``; :func:`kangaroo_generate` runs the Kangaroo loop on the caller's
+*already loaded* model (its modules and weights shared, nothing reloaded) and returns what ``generate`` returns::
 
     from kangaroo_apps.hf import kangaroo_generate
     out = model.generate(input_ids, max_new_tokens=64, custom_generate=kangaroo_generate)   # == plain generate()

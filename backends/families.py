@@ -11,8 +11,9 @@ mistral    Llama's layout; every layer attends within ``sliding_window`` positio
 qwen2      Llama's layout with q/k/v biases (carried by the linear modules); ``layer_types`` may mark sliding layers
 qwen3      Qwen2's layout plus an RMSNorm on every head's queries and keys before RoPE (``q_norm`` / ``k_norm``)
 gemma3     ``q_norm`` / ``k_norm``; sandwich norms (post-attention, pre- and post-feed-forward); sliding layers use
-           their own rotary embedding (``rotary_emb_local``) and a window; embeddings scaled by sqrt(hidden) inside
-           the embedding module; RMSNorm computes ``x * (1 + w)``; attention scaled by ``query_pre_attn_scalar``
+           their own RoPE base (transformers 4.x: the ``rotary_emb_local`` module; 5.x: ``rotary_emb``'s
+           ``sliding_attention`` type) and a window; embeddings scaled by sqrt(hidden) inside the embedding module;
+           RMSNorm computes ``x * (1 + w)``; attention scaled by ``query_pre_attn_scalar``
 ========== ====================================================================================================
 
 Everything else is read from the model's own modules (``attn.scaling``, the norm and MLP modules as they are), so a
@@ -22,10 +23,13 @@ family is a name, the transformers module its classes live in, and two layout fl
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 
 import attrs
 
+from kangaroo_backends.hf_compat import (FULL_ATTENTION, SLIDING_ATTENTION, nested_rope_parameters, parameters_of,
+                                         rotary_for)
 from kangaroo_core.errors import ModelLoadError
 
 FULL, SLIDING = "full", "sliding"
@@ -43,7 +47,8 @@ class Family:
     prefix: str
     #: Gemma 3: post-attention / pre- and post-feed-forward norms around the two blocks
     sandwich_norms: bool = False
-    #: Gemma 3: sliding layers use ``model.model.rotary_emb_local`` (another RoPE base)
+    #: Gemma 3: sliding layers use another RoPE base (4.x: ``model.model.rotary_emb_local``; 5.x: the
+    #: ``sliding_attention`` type of ``model.model.rotary_emb``)
     local_rotary: bool = False
 
     def module_class(self, part: str) -> type:
@@ -51,15 +56,26 @@ class Family:
         module = importlib.import_module(f"transformers.models.{self.module}.modeling_{self.module}")
         return getattr(module, f"{self.prefix}{part}")
 
+    @property
+    def layer_takes_both_ropes(self) -> bool:
+        """Whether a decoder layer takes both RoPEs and picks its own (transformers 4.x Gemma 3:
+        ``position_embeddings_global`` / ``_local``) rather than only its kind's (``position_embeddings``)."""
+        return self.local_rotary and _takes_both_ropes(self)
+
     def layer_rope_kwargs(self, full, sliding, kind: str) -> dict:
         """The rotary keyword arguments a decoder layer of this family takes (cos/sin pairs per layer kind)."""
-        if self.local_rotary:
+        if self.layer_takes_both_ropes:
             return {"position_embeddings_global": full, "position_embeddings_local": sliding}
         return {"position_embeddings": sliding if kind == SLIDING else full}
 
     def mlp_norm(self, layer):
         """The norm in front of a layer's MLP (Gemma 3's pre-feed-forward norm; Llama's post-attention norm)."""
         return layer.pre_feedforward_layernorm if self.sandwich_norms else layer.post_attention_layernorm
+
+
+@functools.cache
+def _takes_both_ropes(family: Family) -> bool:
+    return "position_embeddings_global" in parameters_of(family.module_class("DecoderLayer").forward)
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -119,15 +135,23 @@ def adapter_config(config, exit_layer: int | None):
         one.layer_types = ["full_attention"]
     if hasattr(one, "sliding_window"):
         one.sliding_window = None
-    if family_of(config).local_rotary and kind == SLIDING:  # as Gemma3TextModel builds rotary_emb_local
-        one.rope_theta = config.rope_local_base_freq
-        one.rope_scaling = {"rope_type": "default"}
+    if family_of(config).local_rotary and kind == SLIDING:
+        if nested_rope_parameters(config):  # 5.x: the sliding layers' RoPE becomes the one full layer's
+            local = copy.deepcopy(config.rope_parameters[SLIDING_ATTENTION])
+            one.rope_parameters = {FULL_ATTENTION: local, SLIDING_ATTENTION: copy.deepcopy(local)}
+        else:  # 4.x: as Gemma3TextModel builds rotary_emb_local
+            one.rope_theta = config.rope_local_base_freq
+            one.rope_scaling = {"rope_type": "default"}
     return one
 
 
 def rotary_embeddings(model) -> dict[str, object]:
-    """The model's rotary modules by layer kind."""
+    """The model's rotary modules by layer kind, each ``(x, position_ids) -> (cos, sin)`` with its ``inv_freq``."""
     inner = model.model
-    local = getattr(inner, "rotary_emb_local", None) if family_of(model.config).local_rotary else None
-    return {FULL: inner.rotary_emb, SLIDING: local or inner.rotary_emb}
+    if not family_of(model.config).local_rotary:
+        return {FULL: inner.rotary_emb, SLIDING: inner.rotary_emb}
+    local = getattr(inner, "rotary_emb_local", None)  # transformers 4.x
+    if local is not None:
+        return {FULL: inner.rotary_emb, SLIDING: local}
+    return {FULL: rotary_for(inner.rotary_emb, FULL_ATTENTION), SLIDING: rotary_for(inner.rotary_emb, SLIDING_ATTENTION)}
 

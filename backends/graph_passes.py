@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from kangaroo_backends.hf_compat import update_kwargs
 from kangaroo_backends.kv_cache import KVCache
 
 #: the widest captured pass; longer ones (prompts) run eagerly at their own length
@@ -42,8 +43,8 @@ class StaticKVCache(KVCache):
                 buffer.zero_()  # finite everywhere: a masked slot's weight is 0, and 0 * NaN would not be
         self.capacity = capacity
 
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, cache_kwargs=None):
-        slots = cache_kwargs["cache_position"]
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, cache_kwargs=None, **extra):
+        slots = update_kwargs(cache_kwargs, extra)["cache_position"]
         self.keys[layer_idx].index_copy_(2, slots, key)
         self.values[layer_idx].index_copy_(2, slots, value)
         return self.keys[layer_idx], self.values[layer_idx]

@@ -1,6 +1,7 @@
 """A growable, preallocated KV cache that can be cropped in O(1).
 
-transformers' attention layers only call ``cache.update(key, value, layer_idx, cache_kwargs)``; this class
+transformers' attention layers only call ``cache.update(key, value, layer_idx, ...)`` (4.x: a ``cache_kwargs`` dict
+after the index; 5.x: ``kwargs=``, the layer's keyword arguments); this class
 implements that call with buffers that double when full, so appending one position does not copy the cache and
 rolling back after rejected drafts only moves a length pointer.
 """
@@ -21,7 +22,7 @@ class KVCache:
         self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.lengths = [0] * num_layers
 
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, cache_kwargs=None):
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, cache_kwargs=None, **extra):
         start, n = self.lengths[layer_idx], key.shape[-2]
         end = start + n
         if end > self.keys[layer_idx].shape[-2]:

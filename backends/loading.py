@@ -2,11 +2,13 @@
 default SmolLM2 GGUF.
 
 No network is used. A GGUF file is dequantised once (~30 s for SmolLM2) and cached as safetensors under
-``$KANGAROO_CACHE_DIR/models/<sha256 prefix>`` so later starts take seconds.
+``$KANGAROO_CACHE_DIR/models/<sha256 prefix>`` (``<sha256 prefix>-tf5`` under transformers 5.x) so later starts take
+seconds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -87,6 +89,23 @@ def _check_model_type(config, where: str) -> None:
         raise type(exc)(f"{where}: {exc}") from None
 
 
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers' warnings and progress bars off while it reads a local model (5.x draws a "Loading weights" bar
+    for every load; a CLI error stays one line)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
 def _load_hf_dir(path: Path, dtype):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -98,29 +117,57 @@ def _load_hf_dir(path: Path, dtype):
     if not any(path.glob("*.safetensors")):
         raise ModelLoadError(f"{path} has no .safetensors weights (pickled weights are never loaded)")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, local_files_only=True, use_safetensors=True, attn_implementation="sdpa"
-        )
+        with _quiet_transformers():
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, local_files_only=True, use_safetensors=True, attn_implementation="sdpa"
+            )
     except Exception as exc:
         raise ModelLoadError(f"cannot load model from {path}: {exc}") from None
     return model, tokenizer
 
 
+def _gguf_dequantized() -> dict:
+    """``from_pretrained`` options that unpack every GGUF weight into a plain float tensor: none in transformers 4.x
+    (it always does); 5.x may keep weights in their blocks unless its ``GgufConfig`` says ``dequantize=True``."""
+    import transformers
+
+    config = getattr(transformers, "GgufConfig", None)
+    return {} if config is None else {"quantization_config": config(dequantize=True)}
+
+
+def _drop_gguf_quantizer(model) -> None:
+    """transformers 5.x marks a model read from GGUF as quantized by its GGUF quantizer, and then refuses to save it,
+    even when every weight was unpacked: unmark it (refused if any linear is not a plain ``nn.Linear``)."""
+    import torch
+
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None:
+        return
+    packed = [name for name, module in model.named_modules()
+              if "Linear" in type(module).__name__ and type(module) is not torch.nn.Linear]
+    if packed:
+        raise ModelLoadError(f"transformers kept GGUF weights packed ({packed[0]}, ...); they must be unpacked")
+    del model.hf_quantizer
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    if hasattr(model, "quantization_method"):
+        del model.quantization_method
+    model.is_quantized = False
+
+
 def _convert_gguf(path: Path, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
     print(f"kangaroo: converting {path.name} once (dequantising GGUF, 30-90 s); cached in {target}", file=sys.stderr)
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype="float32")
+        with _quiet_transformers():
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype="float32",
+                                                         **_gguf_dequantized())
+        _drop_gguf_quantizer(model)
     except Exception as exc:
         raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from None
-    finally:
-        hf_logging.set_verbosity(verbosity)
     _check_model_type(model.config, str(path))
     from kangaroo_backends.gguf_tokenizer import is_unigram, rebuild_as_bpe
 
@@ -130,8 +177,9 @@ def _convert_gguf(path: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        with _quiet_transformers():  # (5.x: a "Writing model shards" bar)
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
         (tmp / "kangaroo_source.json").write_text(json.dumps({"gguf": str(path)}))
         try:
             os.replace(tmp, target)  # atomic: an interrupted conversion leaves no half cache behind
@@ -166,13 +214,23 @@ def load_model(model: str | os.PathLike | None, dtype="float32", device=None):
     return (loaded if where.type == "cpu" else loaded.to(where)), tokenizer, name
 
 
+def conversion_dir(path: Path) -> Path:
+    """Where the conversion of GGUF file ``path`` is cached: one per file and transformers major version (a
+    directory written by transformers 5.x stores the RoPE base as ``rope_parameters``, which 4.x would not read and
+    would replace by its default; its tokenizer files differ too), so two environments can share a cache."""
+    import transformers
+
+    major = int(transformers.__version__.split(".")[0])
+    return cache_dir() / "models" / (file_sha256(path)[:24] + ("" if major < 5 else f"-tf{major}"))
+
+
 def _load(model, dtype):
     path = model_path(model)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelLoadError(f"{path} is a file but not a .gguf file; pass a GGUF file or a HF model directory")
-        converted = cache_dir() / "models" / file_sha256(path)[:24]
+        converted = conversion_dir(path)
         if not (converted / "config.json").exists():
             _convert_gguf(path, converted)
         loaded, tokenizer = _load_hf_dir(converted, dtype)

@@ -50,10 +50,10 @@ class RaggedCache:
     def __init__(self, caches: Sequence, bounds: Sequence[tuple[int, int]]):
         self.caches, self.bounds = list(caches), tuple(bounds)
 
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, cache_kwargs=None):
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, cache_kwargs=None, **extra):
         keys, values = [], []
         for cache, (lo, hi) in zip(self.caches, self.bounds):
-            k, v = cache.update(key[:, :, lo:hi], value[:, :, lo:hi], layer_idx, cache_kwargs)
+            k, v = cache.update(key[:, :, lo:hi], value[:, :, lo:hi], layer_idx, cache_kwargs, **extra)
             keys.append(k)
             values.append(v)
         return Ragged(self.bounds, tuple(keys)), Ragged(self.bounds, tuple(values))

@@ -20,6 +20,7 @@ from kangaroo_backends.devices import resolve_dtype
 from kangaroo_backends.families import FULL, SLIDING, family_of, layer_kinds, rotary_embeddings, sliding_window
 from kangaroo_backends.fast_layers import EXACT_ROWS, fast_layers
 from kangaroo_backends.graph_passes import MAX_WIDTH, PassGraph, StaticKVCache, padded_mask, slots_like, width_for
+from kangaroo_backends.hf_compat import cache_keyword
 from kangaroo_backends.kv_cache import KVCache, causal_mask
 from kangaroo_backends.loading import load_model
 from kangaroo_backends.native import small_batch_attention, small_batch_kernel
@@ -138,6 +139,7 @@ class TorchBackend(Backend):
         inner = model.model
         self.embed_tokens = inner.embed_tokens  # Gemma 3's scales by sqrt(hidden) itself
         self.rotary = rotary_embeddings(model)
+        self.cache_keyword = cache_keyword(inner.layers[0])  # past_key_values (transformers 4.x) or cache (5.x)
         self.window = sliding_window(config)
         kinds = layer_kinds(config)
         self.shallow_kinds, self.deep_kinds = kinds[:exit_layer], kinds[exit_layer:]
@@ -214,15 +216,15 @@ class TorchBackend(Backend):
         """``hidden`` [1, n, d] through ``layers``, writing keys/values at ``cache`` (default: this backend's)
         ``slots`` [n] (RoPE at ``position_ids`` [1, n]; ``masks`` by layer kind)."""
         used = set(kinds)
-        rope = {kind: self.rotary[kind](hidden, position_ids) for kind in (FULL, SLIDING)
-                if kind in used or self.family.local_rotary}
+        both = self.family.layer_takes_both_ropes
+        rope = {kind: self.rotary[kind](hidden, position_ids) for kind in (FULL, SLIDING) if kind in used or both}
         for layer, kind in zip(layers, kinds):
             out = layer(
                 hidden,
                 attention_mask=masks[kind],
                 position_ids=position_ids,
-                past_key_values=self.cache if cache is None else cache,
-                cache_position=slots,
+                cache_position=slots,  # the static cache writes here (transformers 5.x hands it on in kwargs)
+                **{self.cache_keyword: self.cache if cache is None else cache},
                 **self.family.layer_rope_kwargs(rope.get(FULL), rope.get(SLIDING), kind),
             )
             hidden = out[0] if isinstance(out, tuple) else out  # Gemma 3's layers return a tuple

@@ -130,8 +130,13 @@ class HFStatic(HFGenerate):
         self.max_positions = getattr(text_config, "max_position_embeddings", None)
 
     def cache_slots(self) -> int:
-        """Slots of the static cache transformers holds for this model now (0: none yet)."""
-        return getattr(getattr(self.model, "_cache", None), "max_cache_len", 0) or 0
+        """Slots of the static cache transformers holds for this model now (0: none yet): transformers 4.x keeps the
+        cache on the model (``_cache``); 5.x makes one per call, of the largest size asked so far
+        (``_previous_max_cache_length``), so a turn within that size compiles nothing new either."""
+        cache = getattr(self.model, "_cache", None)
+        if cache is not None:
+            return getattr(cache, "max_cache_len", 0) or 0
+        return max(0, getattr(self.model, "_previous_max_cache_length", 0) or 0)
 
     @torch.inference_mode()
     def grow_cache(self, prompt: list[int], max_new_tokens: int) -> None:

@@ -81,6 +81,24 @@ def make_tokenizer():
     return tok
 
 
+def make_bpe_tokenizer():
+    """A byte-level BPE tokenizer trained on :data:`WORDS` (~300 tokens), no chat template: for a family whose
+    transformers 5.x tokenizer class rebuilds itself from the saved vocabulary and merges (Qwen2), where
+    :func:`make_tokenizer`'s word-level vocabulary would read every text as no tokens at all."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator([" ".join(WORDS)] * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<|im_start|>",
+                                   eos_token="<|im_end|>")
+
+
 def write_prompts(path: Path, count: int) -> Path:
     """A prompts file in the training prompts' format (``{"id", "prompt"}`` per line) of short tiny-vocabulary texts."""
     words = "the sky is blue why the sea is green tell me a story about the cat and the dog".split()

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from kangaroo_backends.families import (FAMILIES, UnsupportedArchitectureError, family_of, layer_kinds,
-                                        sliding_window)
+                                        rotary_embeddings, sliding_window)
 from kangaroo_backends.gguf_tokenizer import spm_bpe_merges
+from kangaroo_backends.hf_compat import rope_theta
 from kangaroo_backends.torch_eager import TorchBackend, model_fingerprint
 from kangaroo_core.config import DecodeConfig
 from kangaroo_core.engine import Engine, encode_prompt, plain_prompt
@@ -157,8 +158,13 @@ def test_a_gemma_adapter_at_a_sliding_layer_uses_that_layer_s_rope():
     m = model("gemma3")
     kinds = layer_kinds(m.config)
     sliding, full = kinds.index("sliding"), kinds.index("full")
-    assert KangarooAdapter(m.config, exit_layer=sliding).config.rope_theta == m.config.rope_local_base_freq
-    assert KangarooAdapter(m.config, exit_layer=full).config.rope_theta == m.config.rope_theta
+    local, rope = KangarooAdapter(m.config, exit_layer=sliding), KangarooAdapter(m.config, exit_layer=full)
+    assert rope_theta(local.config) == rope_theta(m.config, "sliding_attention") == 10000.0
+    assert rope_theta(rope.config) == rope_theta(m.config) == 1e6
+    rotary = rotary_embeddings(m)
+    assert torch.equal(local.rotary_emb.inv_freq, rotary["sliding"].inv_freq)
+    assert torch.equal(rope.rotary_emb.inv_freq, rotary["full"].inv_freq)
+    assert not torch.equal(rotary["sliding"].inv_freq, rotary["full"].inv_freq)
 
 
 # -- onnx -----------------------------------------------------------------------------------------------------------
@@ -225,11 +231,13 @@ def test_model_generate_custom_generate_on_every_family(family, one_torch_thread
 
 
 def save_tiny_family_dir(directory, family: str):
-    """A tiny model directory of ``family`` as a user would have it (safetensors + tokenizer, no chat template)."""
-    from conftest import make_tokenizer
+    """A tiny model directory of ``family`` as a user would have it (safetensors + tokenizer, no chat template).
+    Qwen2's: a byte-level BPE tokenizer (transformers 5.x always reads a qwen2 directory's tokenizer as a Qwen2
+    tokenizer, rebuilt from the saved vocabulary and merges)."""
+    from conftest import make_bpe_tokenizer, make_tokenizer
     from transformers import GenerationConfig
 
-    tok = make_tokenizer()
+    tok = make_bpe_tokenizer() if family == "qwen2" else make_tokenizer()
     tok.chat_template = None  # a base model: plain Question/Answer prompts
     m = tiny_model(family, 0, vocab=len(tok), dtype=torch.float32, eos_token_id=tok.eos_token_id)
     m.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)

@@ -44,6 +44,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from kangaroo_backends.hf_compat import cache_keyword
 from kangaroo_core.errors import KangarooError
 from kangaroo_core.files import read_json
 
@@ -85,7 +86,10 @@ class Record:
 
 
 def file_digest(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+    """The prompts' digest: of the content, so a gzip-compressed copy of the same prompts extends the same corpus."""
+    from kangaroo_tools.prompts import prompts_bytes
+
+    return hashlib.sha256(prompts_bytes(path)).hexdigest()[:16]
 
 
 def plan(prompt_ids: Sequence[str], settings: CorpusSettings) -> dict[str, list[list[str]]]:
@@ -155,7 +159,7 @@ class Corpus:
             return manifest
         self.directory.mkdir(parents=True, exist_ok=True)
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "model": model_name,
-                    "prompts_file": prompts_file.name, **identity, "shards": {}}
+                    "prompts_file": prompts_file.name.removesuffix(".gz"), **identity, "shards": {}}
         _atomic_write_text(self.manifest_path, json.dumps(manifest, indent=1) + "\n")
         return manifest
 
@@ -263,7 +267,8 @@ class _PreallocatedLayer(DynamicLayer):
         super().__init__()
         self.capacity = capacity
 
-    def lazy_initialization(self, key_states: torch.Tensor) -> None:
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
+        # (transformers 4.x passes the keys only, 5.x the keys and values)
         batch, heads, _, dim = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
         self._keys = key_states.new_empty(batch, heads, self.capacity, dim)
@@ -271,9 +276,9 @@ class _PreallocatedLayer(DynamicLayer):
         self.keys, self.values = self._keys[:, :, :0], self._values[:, :, :0]
         self.is_initialized = True
 
-    def update(self, key_states, value_states, cache_kwargs=None):
+    def update(self, key_states, value_states, *args, **kwargs):  # 4.x: cache_kwargs; 5.x: kwargs=
         if not self.is_initialized:
-            self.lazy_initialization(key_states)
+            self.lazy_initialization(key_states, value_states)
         start, end = self.keys.shape[-2], self.keys.shape[-2] + key_states.shape[-2]
         if end > self.capacity:
             raise CorpusError(f"generation ran past its preallocated cache ({end} > {self.capacity} positions)")
@@ -315,7 +320,7 @@ def batched_greedy_answers(model, prompt_ids: Sequence[list[int]], max_new_token
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                              temperature=None, top_p=None, top_k=None, pad_token_id=pad,
                              eos_token_id=sorted(eos_ids) or None,
-                             past_key_values=preallocated_cache(model.config, width + max_new_tokens))
+                             **{cache_keyword(model): preallocated_cache(model.config, width + max_new_tokens)})
         for r, i in enumerate(rows):
             row = out[r, width:].tolist()
             cut = next((j + 1 for j, t in enumerate(row) if t in eos_ids), len(row))

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from kangaroo_backends.families import adapter_config, family_of
+from kangaroo_backends.hf_compat import cache_keyword, rope_theta, rotary_for
 from kangaroo_backends.kv_cache import KVCache, causal_mask
 from kangaroo_core import __version__
 from kangaroo_core.errors import AdapterMismatchError
@@ -49,7 +50,7 @@ def adapter_architecture(model_config, *, kind: str = "attention", ffn: bool = F
         "num_attention_heads": model_config.num_attention_heads,
         "num_key_value_heads": model_config.num_key_value_heads,
         "head_dim": head_dim,
-        "rope_theta": getattr(model_config, "rope_theta", 10000.0),
+        "rope_theta": rope_theta(model_config),  # the one (full-attention) layer's RoPE base
         "rms_norm_eps": model_config.rms_norm_eps,
         "ffn": ffn,
         "separate_head": separate_head,
@@ -151,7 +152,8 @@ class KangarooAdapter(nn.Module):
         self.input_norm = norm(config.hidden_size, eps=config.rms_norm_eps)
         self.attention = family.module_class("Attention")(config, layer_idx=0)
         self.output_norm = norm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = family.module_class("RotaryEmbedding")(config)
+        # (x, position_ids) -> cos, sin; transformers 5.x Gemma 3's module computes one RoPE per layer type
+        self.rotary_emb = rotary_for(family.module_class("RotaryEmbedding")(config))
         if ffn:
             self.mlp_norm = norm(config.hidden_size, eps=config.rms_norm_eps)
             self.mlp = family.module_class("MLP")(config)
@@ -261,8 +263,8 @@ class KangarooAdapter(nn.Module):
             self.input_norm(hidden),
             position_embeddings=position_embeddings,
             attention_mask=mask,
-            past_key_values=cache,
             cache_position=positions,
+            **{cache_keyword(self.attention): cache},
         )
         out = hidden + attended
         if self.ffn:
