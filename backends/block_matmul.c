@@ -68,19 +68,32 @@ typedef struct {
 
 static int forced_isa = -1;
 
-int block_matmul_isa(void) {
-    if (forced_isa >= 0) return forced_isa;
+/* The best path this CPU has, at most the one KANGAROO_ISA names (avx2 | avx512-vnni; unset or anything else: no
+ * cap, the Python side refuses other values in one line): a CPU with AVX-512 runs the AVX2 path as a CPU without it
+ * would (CI runs the kernel's tests both ways). Read once: the variable is set before the process starts. */
+static int available_isa(void) {
+    static int cached = -2;  /* any thread may read it first: each computes the same value */
+    int cap = __atomic_load_n(&cached, __ATOMIC_RELAXED);
+    if (cap == -2) {
+        const char *want = getenv("KANGAROO_ISA");
+        cap = !want ? -1 : !strcmp(want, "avx2") ? ISA_AVX2 : !strcmp(want, "avx512-vnni") ? ISA_VNNI : -1;
+        __atomic_store_n(&cached, cap, __ATOMIC_RELAXED);
+    }
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw"))
-        return ISA_VNNI;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return ISA_AVX2;
-    return ISA_NONE;
+    int isa = ISA_NONE;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) isa = ISA_AVX2;
+    if (isa && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")
+        && __builtin_cpu_supports("avx512bw"))
+        isa = ISA_VNNI;
+    return cap >= 0 && cap < isa ? cap : isa;
 }
 
-/* Tests run both paths on a CPU that has both: isa 1 or 2 (never above what the CPU has; -1 back to automatic). */
+int block_matmul_isa(void) { return forced_isa >= 0 ? forced_isa : available_isa(); }
+
+/* Tests run each path the CPU has: isa 0, 1 or 2 (never above what it has, or KANGAROO_ISA allows; -1: automatic). */
 int block_matmul_force_isa(int isa) {
     forced_isa = -1;
-    if (isa > block_matmul_isa()) return -1;
+    if (isa > available_isa()) return -1;
     forced_isa = isa;
     return 0;
 }

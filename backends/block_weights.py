@@ -21,8 +21,10 @@ Q5_0 is stored a byte per code (the kernel has no 5-bit unpacking): 36 bytes a b
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
+import os
 
 import attrs
 import numpy as np
@@ -37,6 +39,8 @@ FAMILIES = {"q4": 0, "q8": 1}
 ACTIVATIONS = {"int8": 0, "float32": 1}
 #: the kernel's instruction sets by the number block_matmul_isa() returns
 ISAS = {0: "none", 1: "avx2", 2: "avx512-vnni"}
+#: caps the kernel's path (:func:`requested_isa`)
+ISA_ENV = "KANGAROO_ISA"
 SUPER = 256  # elements per K-quant super-block
 
 
@@ -272,20 +276,74 @@ def library() -> tuple[ctypes.CDLL | None, str]:
     return lib, ""
 
 
+def requested_isa() -> str | None:
+    """The path ``$KANGAROO_ISA`` caps the kernel at (``avx2``, ``avx512-vnni``; None: unset or ``auto``, the best the
+    CPU has); any other value is a :class:`~kangaroo_core.config.ConfigError` in one line. With ``avx2`` a CPU with
+    AVX-512 runs the kernel — the directly called one and the onnxruntime op — on the AVX2 path, as a CPU without
+    AVX-512 would (read by the C side when the kernel picks its path, ``block_matmul.c``)."""
+    want = os.environ.get(ISA_ENV, "").strip()
+    if want in ("", "auto"):
+        return None
+    if want not in ISAS.values() or want == "none":
+        from kangaroo_core.config import ConfigError
+
+        raise ConfigError(f"{ISA_ENV} must be auto, avx2 or avx512-vnni, got {want!r}")
+    return want
+
+
 def isa() -> str:
-    """The instruction set the kernel runs on this CPU (``none``: no AVX2, the block kernel refuses)."""
+    """The instruction set the kernel runs on this CPU (``none``: no AVX2, the block kernel refuses), at most the one
+    ``$KANGAROO_ISA`` names (:func:`requested_isa`)."""
+    requested_isa()
     lib, _ = library()
     return "none" if lib is None else ISAS[lib.block_matmul_isa()]
 
 
-def force_isa(name: str | None) -> None:
-    """Run the directly called kernel on ``name`` (``avx2``; None: the best the CPU has); ValueError above the CPU's."""
+def available_isas() -> list[str]:
+    """Every path the kernel can run on this CPU (``avx2``, then ``avx512-vnni`` where the CPU has it and
+    ``$KANGAROO_ISA`` allows it): what the tests run the kernel on, each in turn."""
+    best = isa()
+    return [] if best == "none" else ["avx2"] + (["avx512-vnni"] if best == "avx512-vnni" else [])
+
+
+def _libraries() -> list:
+    """The kernel's loaded copies: the directly called library, and the onnxruntime op's (the handle onnxruntime
+    opens is the same one: one path, one loaded object) where it can be built."""
+    from kangaroo_backends import ort_attention
+
     lib, why = library()
     if lib is None:
         raise RuntimeError(why)
+    found = [lib]
+    op_path, _ = ort_attention.library()
+    if op_path is not None:
+        op = ctypes.CDLL(str(op_path))
+        op.block_matmul_force_isa.argtypes = [ctypes.c_int]
+        found.append(op)
+    return found
+
+
+def force_isa(name: str | None) -> None:
+    """Run the kernel — called directly and as the onnxruntime op — on ``name`` (``avx2``, ``avx512-vnni``, or
+    ``none``: the refusal of a CPU without AVX2; None: back to :func:`isa`'s choice); ValueError above what this CPU
+    has (or ``$KANGAROO_ISA`` allows)."""
     code = -1 if name is None else {v: k for k, v in ISAS.items()}[name]
-    if lib.block_matmul_force_isa(code) != 0:
-        raise ValueError(f"this CPU has no {name}")
+    libraries = _libraries()
+    if any(lib.block_matmul_force_isa(code) != 0 for lib in libraries):
+        for lib in libraries:
+            lib.block_matmul_force_isa(-1)
+        capped = f" ({ISA_ENV}={requested_isa()})" if requested_isa() else ""
+        raise ValueError(f"this CPU has no {name}{capped}")
+
+
+@contextlib.contextmanager
+def forced_isa(name: str):
+    """The kernel on ``name`` inside the block (:func:`force_isa`), back to the automatic choice after it."""
+    force_isa(name)
+    try:
+        yield
+    finally:
+        force_isa(None)
 
 
 def matmul(weight: BlockWeight, x: np.ndarray, activations: str = "int8") -> np.ndarray:

@@ -19,6 +19,7 @@ applied to the blocks. Any other quantization type raises :class:`UnsupportedQua
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import attrs
@@ -167,11 +168,16 @@ def _digest(array: np.ndarray) -> str:
 ROWS = "one MatMulNBits call per row (Scan); the prefill in its own graph"
 #: the same, for int8 activations: one MatMulNBits call for all rows, each row computed alone by the kernel itself
 ROWS_AT_ONCE = "MatMulNBits over all rows at once (its int8-activation kernel computes each row alone)"
-#: accuracy levels whose MatMulNBits gives a row the same bits whatever rows come with it (measured on onnxruntime
-#: 1.32, 4- and 8-bit blocks of 32, with and without zero points, 1..300 rows, 1 and 2 threads: at level 4 every row
-#: of a multi-row call equals the one-row call bit for bit; levels 0/1 differ from two rows on by ~2e-6 relative):
-#: activations are quantized per row and block, the block dot products are integer (exact), their scaled sum runs in
-#: one order per row
+#: accuracy levels whose MatMulNBits *can* give a row the same bits whatever rows come with it: int8 activations,
+#: quantized per row and block, integer block dot products (exact), their scaled sum in one order per row. Whether it
+#: does depends on the CPU, so it is measured where the graphs run (:func:`row_difference`): on CPUs with AVX-512
+#: (onnxruntime 1.32: 4- and 8-bit blocks of 32, with and without zero points, 1..300 rows, 1 and 2 threads) every row
+#: of a multi-row call equals the one-row call bit for bit; on AVX2 without AVX-512 the 4-bit kernel does not — MLAS's
+#: ``SQ4BitGemmKernel_BlkSum_CompInt8_avx2`` sends one row to ``SQ4BitGemmM1Kernel_CompInt8_avx2`` (zero points
+#: subtracted inside each block's dot product) and two or more to ``SQ4BitGemmKernel_CompInt8_avx2`` plus a float GEMM
+#: of the activations' block sums by the weights' (the zero points' term added afterwards): the same sum in another
+#: order, ~3e-7 relative apart (measured under ``qemu-x86_64 -cpu EPYC-Rome``; its 8-bit kernel stays row-exact).
+#: Levels 0/1 (float32 activations) differ from two rows on everywhere (~2e-6 relative).
 ROW_INDEPENDENT_LEVELS = (4,)
 
 
@@ -183,15 +189,75 @@ ROWS_BLOCKS = "kangaroo.BlockMatMul over all rows at once (each row computed as 
 #: the manifest "rows" values whose graphs reproduce one-position passes row by row (older 4-bit bundles have none)
 EXACT_LAYOUTS = (ROWS, ROWS_AT_ONCE, ROWS_BLOCKS)
 
+#: what :func:`row_difference` multiplies: (bits, zero points given) of the exported products (Q4_0, Q4_1, Q8_0)
+PROBED_FORMATS = ((4, False), (4, True), (8, False))
+#: intra-op thread counts it runs each product at (onnxruntime splits a product's columns over its threads, and its
+#: rows only in slices of 128, so a verify pass's rows are never split)
+PROBED_THREADS = (1, 2)
+PROBED_ROWS = 8  # a one-row call against calls of 2..8 rows
+PROBED_COLUMNS = 80  # output columns (not a multiple of 32 or 64: a partial tile too)
 
-def rows_at_once(accuracy_level: int) -> bool:
-    """Whether graphs at ``accuracy_level`` multiply all rows in one MatMulNBits call and stay exact per row."""
-    return int(accuracy_level) in ROW_INDEPENDENT_LEVELS
+
+def linear_ks(config) -> tuple[int, ...]:
+    """The K (input sizes) of a decoder's linear layers: the hidden size (q/k/v, gate/up, the LM head), the attention
+    output's (heads × head size, o_proj) and the MLP's (down_proj), those that are whole blocks of 32."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    ks = {config.hidden_size, heads * head_dim, getattr(config, "intermediate_size", config.hidden_size)}
+    return tuple(sorted(k for k in ks if k % BLOCK == 0))
 
 
-def rows_layout(accuracy_level: int) -> str:
-    """The manifest's ``"rows"`` for graphs exported at ``accuracy_level``."""
-    return ROWS_AT_ONCE if rows_at_once(accuracy_level) else ROWS
+@functools.cache
+def _row_difference(level: int, bits: int, zero_points: bool, k: int, threads: int) -> str | None:
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(k * 31 + bits)
+    n, blocks = PROBED_COLUMNS, k // BLOCK
+    codes = rng.integers(0, 256, (n, blocks, BLOCK * bits // 8), dtype=np.uint8)
+    scales = rng.uniform(0.002, 0.02, n * blocks).astype(np.float32)
+    inits = [numpy_helper.from_array(codes, "B"), numpy_helper.from_array(scales, "S")]
+    if zero_points:
+        inits.append(numpy_helper.from_array(rng.integers(0, 256, n * ((blocks + 1) // 2), dtype=np.uint8), "Z"))
+    node = helper.make_node("MatMulNBits", ["A", "B", "S"] + (["Z"] if zero_points else []), ["Y"],
+                            domain="com.microsoft", K=k, N=n, bits=bits, block_size=BLOCK, accuracy_level=level)
+    graph = helper.make_graph([node], "probe", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["m", k])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["m", n])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.log_severity_level = 3
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    x = (rng.standard_normal((PROBED_ROWS, k)) * rng.uniform(0.1, 10, (PROBED_ROWS, 1))).astype(np.float32)
+    alone = np.concatenate([session.run(None, {"A": x[i:i + 1]})[0] for i in range(PROBED_ROWS)])
+    for rows in range(2, PROBED_ROWS + 1):
+        together = session.run(None, {"A": x[:rows]})[0]
+        differ = np.flatnonzero((together.view(np.uint32) != alone[:rows].view(np.uint32)).any(axis=1))
+        if differ.size:
+            return (f"{bits}-bit blocks{' with zero points' if zero_points else ''}, K = {k}, {threads} "
+                    f"thread{'s' * (threads > 1)}: row {differ[0]} of a {rows}-row call differs from its one-row call")
+    return None
+
+
+def row_difference(accuracy_level: int, ks) -> str | None:
+    """None when, on this CPU, onnxruntime's MatMulNBits at ``accuracy_level`` gives every row of a call over several
+    rows the bits of its own one-row call, for each format of :data:`PROBED_FORMATS`, K in ``ks`` and thread count of
+    :data:`PROBED_THREADS` (random weights and activations, 1 against 2..8 rows); else the first difference, in words.
+    Measured once per process (milliseconds: one small product each)."""
+    for k in sorted(set(ks)):
+        for bits, zero_points in PROBED_FORMATS:
+            for threads in PROBED_THREADS:
+                found = _row_difference(int(accuracy_level), bits, zero_points, int(k), threads)
+                if found:
+                    return found
+    return None
+
+
+def rows_at_once(accuracy_level: int, ks) -> bool:
+    """Whether graphs at ``accuracy_level`` may multiply all rows in one MatMulNBits call and stay exact per row on
+    this CPU (products of input sizes ``ks``): int8 activations (:data:`ROW_INDEPENDENT_LEVELS`) where the kernel is
+    measured row-exact here (:func:`row_difference`)."""
+    return int(accuracy_level) in ROW_INDEPENDENT_LEVELS and row_difference(accuracy_level, ks) is None
 
 
 def row_by_row(helper, inputs: list[str], attributes: dict, y: str, stem: str, k: int, n: int) -> list:
@@ -205,8 +271,9 @@ def row_by_row(helper, inputs: list[str], attributes: dict, y: str, stem: str, k
     the prefill runs a graph of its own (``<name>.prefill.onnx``, plain products: the same pass for the target alone
     and for every drafter); one-row passes run that graph too, its one-row product being the ``Scan``'s row bit for
     bit (asserted). Measured, and not used: choosing between the two inside one graph (``If``) kept onnxruntime from
-    packing the weights (20x slower). Int8 activations (accuracy level 4) need none of this: that kernel computes
-    each row alone (:data:`ROW_INDEPENDENT_LEVELS`), so those graphs multiply all rows at once and verify cheaply.
+    packing the weights (20x slower). Int8 activations (accuracy level 4) need none of this where that kernel computes
+    each row alone (:data:`ROW_INDEPENDENT_LEVELS`: CPUs with AVX-512), so those graphs multiply all rows at once and
+    verify cheaply; on a CPU where it does not (AVX2 without AVX-512) they go row by row too (:func:`rows_at_once`).
     """
     from onnx import TensorProto
 

@@ -7,6 +7,11 @@ compiler or a cache directory shared with another CPU rebuilds) and loaded with 
 against the ``libgomp`` that torch has already loaded, so both share one thread pool. Nothing depends on it: without
 a C compiler, on a platform where the build fails, or with ``KANGAROO_NATIVE=0``, :func:`small_batch_kernel` and
 :func:`small_batch_attention` return ``None`` and the reason, and the backend runs the plain transformers path.
+
+``KANGAROO_MARCH=ARCH`` (e.g. ``x86-64-v3``: AVX2 and FMA, no AVX-512) builds every library for that architecture
+instead of ``-march=native`` (:func:`target_flags`): a build for a CPU other than this one — the one an emulator runs
+(``qemu-x86_64 -cpu EPYC-Rome``, whose compiler runs natively and would otherwise put this CPU's AVX-512 into the
+library), or one build for a cache shared by many CPUs (no CPU identity in its key then).
 """
 
 from __future__ import annotations
@@ -26,11 +31,21 @@ from kangaroo_core.paths import cache_dir
 
 SOURCES = ("small_batch_linear.c", "small_batch_attention.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC")
+#: names the architecture the libraries are built for instead of this CPU's (``-march=`` value; see the module doc)
+MARCH_ENV = "KANGAROO_MARCH"
 MAX_ROWS = 8  # rows per call the linear kernel handles (fast_layers splits 9..16 rows into two calls)
 
 
 def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def target_flags(flags: tuple[str, ...]) -> tuple[str, ...]:
+    """``flags`` with ``-march=native`` replaced by ``-march=$KANGAROO_MARCH`` when that is set (and not ``native``)."""
+    march = os.environ.get(MARCH_ENV, "").strip()
+    if not march or march == "native":
+        return tuple(flags)
+    return tuple(f"-march={march}" if flag == "-march=native" else flag for flag in flags)
 
 
 @functools.cache
@@ -54,7 +69,8 @@ def build_library(compiler: str, sources: dict[str, bytes], flags: tuple[str, ..
                   main: str | None = None) -> Path:
     """Compile ``sources`` (every one, or only ``main``, which includes the others) into
     ``cache_dir()/native/<stem>-<hash>.so`` once; the hash covers the sources, the flags, the compiler's version and,
-    with ``-march=native``, :func:`cpu_identity`."""
+    with ``-march=native``, :func:`cpu_identity` (``-march=native`` may be replaced first: :func:`target_flags`)."""
+    flags = target_flags(flags)
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:

@@ -38,6 +38,7 @@ import torch
 
 from kangaroo_backends.loading import cache_dir, gguf_source, load_model
 from kangaroo_backends.families import SLIDING, sliding_window
+from kangaroo_backends import gguf_nbits
 from kangaroo_backends.onnx_bundle import (BIAS_INPUTS, EXPORT_KEY, GRAPHS, MANIFEST, WEIGHTS, export_kernel,
                                            export_weights, graph_file, graph_io, read_manifest, rows_exact)
 from kangaroo_backends.onnx_export import export_onnx
@@ -117,7 +118,7 @@ def resolve_provider(ort, provider: str) -> str:
         raise ConfigError(f"provider must be one of auto, {', '.join(PROVIDERS)}, got {provider!r}")
     name = PROVIDERS[provider]
     if name not in available:
-        hint = " (install onnxruntime-gpu: pip install 'kangaroo-decoding[onnx-gpu]', and a CUDA GPU)" if provider == "cuda" else ""
+        hint = " (install onnxruntime-gpu, kangaroo's [onnx-gpu] extra, and have a CUDA GPU)" if provider == "cuda" else ""
         raise ProviderError(f"onnxruntime provider {name} is not available; available: {', '.join(available)}{hint}")
     return name
 
@@ -369,7 +370,7 @@ class OnnxBackend(Backend):
     flags = (
         Flag("--provider", "provider", choices=("auto", *PROVIDERS),
              help="onnxruntime execution provider (default auto: CUDA when available, else CPU)."),
-        Flag("--onnx-dir", "bundle", metavar="DIR",
+        Flag("--onnx-dir", "bundle", metavar="DIR", exists=True,
              help="A directory from `kangaroo export-onnx` (default: export once into the cache)."),
         Flag("--onnx-weights", "weights", choices=WEIGHTS,
              help="float32 (default); gguf runs every linear layer as MatMulNBits over the GGUF file's own 4/8-bit "
@@ -405,12 +406,13 @@ class OnnxBackend(Backend):
         self.attention, self.spinning = options.attention, options.spinning
         self.weights, self.accuracy_level = weights, options.level
         self.rows_exact = True  # what this code exports; a bundle says otherwise below
+        self.rows_why: str | None = None  # why a bundle's verify passes are not exact (inexact_multi_position)
         self.kernel = None  # gguf weights: blocks or matmulnbits (resolved below, with the provider)
         if bundle is not None and (bundle / MANIFEST).is_file():  # a bundle says what it holds
             try:
                 manifest = read_json(bundle / MANIFEST, OnnxModelError)
                 self.weights, self.accuracy_level = export_weights(manifest)
-                self.rows_exact = rows_exact(manifest)
+                self._check_rows(manifest, model.config)
                 self.kernel = export_kernel(manifest)
             except (OnnxModelError, AttributeError, TypeError, ValueError):
                 pass  # reported with the full manifest check when the sessions open
@@ -454,13 +456,40 @@ class OnnxBackend(Backend):
     def inexact_multi_position(self) -> str | None:
         # measured: at float32 activations MatMulNBits' kernel for two or more rows differs from its one-row kernel in
         # the last bits, so those 4-bit graphs compute each row on its own (gguf_nbits.row_by_row); at int8
-        # activations (level 4) the kernel itself computes each row alone (gguf_nbits.rows_at_once); a 4-bit bundle
-        # exported before either cannot verify losslessly
+        # activations (level 4) the kernel itself computes each row alone where the CPU has AVX-512, not on AVX2 alone
+        # (gguf_nbits.rows_at_once: measured, see _check_rows); a 4-bit bundle exported before either cannot verify
+        # losslessly
         if self.rows_exact:
             return None
-        return ("this 4-bit ONNX export multiplies several rows at once (MatMulNBits' multi-row kernel differs from "
-                "one-row passes in the last bits), so a verify pass does not reproduce one-token passes; re-export it "
-                "(kangaroo export-onnx --weights gguf) to draft")
+        return self.rows_why or (
+            "this 4-bit ONNX export multiplies several rows at once (MatMulNBits' multi-row kernel differs from "
+            "one-row passes in the last bits), so a verify pass does not reproduce one-token passes; re-export it "
+            "(kangaroo export-onnx --weights gguf) to draft")
+
+    def _check_rows(self, manifest: dict, config) -> None:
+        """:attr:`rows_exact` (and :attr:`rows_why`) for an export's manifest on this CPU: its layout says whether its
+        passes reproduce one-position passes, and an int8 export that multiplies all rows at once does so only where
+        MatMulNBits' int8 kernel is row-exact (:func:`~kangaroo_backends.gguf_nbits.row_difference`: CPUs with
+        AVX-512, not AVX2 alone), measured here, on the provider's CPU."""
+        self.rows_exact, self.rows_why = rows_exact(manifest), None
+        weights = manifest.get("weights")
+        if not (self.rows_exact and isinstance(weights, dict) and weights.get("rows") == gguf_nbits.ROWS_AT_ONCE
+                and self._on_cpu()):
+            return
+        found = gguf_nbits.row_difference(export_weights(manifest)[1], gguf_nbits.linear_ks(config))
+        if found:
+            self.rows_exact = False
+            self.rows_why = (f"this 4-bit ONNX export multiplies all rows of a pass in one int8 MatMulNBits call, "
+                             f"which is not row-exact on this CPU ({found}; onnxruntime's AVX2 kernel takes another "
+                             f"path for one row than for several), so a verify pass does not reproduce one-token "
+                             f"passes; re-export it on this machine (it then goes row by row) or use --onnx-kernel "
+                             f"blocks to draft")
+
+    def _on_cpu(self) -> bool:
+        """Whether the graphs run on onnxruntime's CPU provider (before the provider is resolved: unless cuda was
+        asked for)."""
+        provider = getattr(self, "provider", None)
+        return provider == PROVIDERS["cpu"] if provider else self.options.provider != "cuda"
 
     def resplit(self, exit_layer: int) -> "OnnxBackend":
         if self.bundle is not None:
@@ -480,6 +509,10 @@ class OnnxBackend(Backend):
             return self.bundle
         suffix = "" if self.weights == "float32" else f"-gguf-a{self.accuracy_level}"
         suffix += "-blocks" if self.kernel == "blocks" else ""
+        level = self.accuracy_level
+        if (self.weights == "gguf" and self.kernel != "blocks" and level in gguf_nbits.ROW_INDEPENDENT_LEVELS
+                and not gguf_nbits.rows_at_once(level, gguf_nbits.linear_ks(self.model.config))):
+            suffix += "-rows"  # int8 graphs going row by row on this CPU: apart from the all-rows-at-once ones
         return cache_dir() / "onnx" / EXPORT_KEY / f"{self.fingerprint}-l{self.exit_layer}{suffix}"
 
     def artifact_dir(self) -> Path:
@@ -596,7 +629,7 @@ class OnnxBackend(Backend):
                                  f"({export_kernel(manifest)}), not {(self.weights, self.accuracy_level)} "
                                  f"({self.kernel}); delete it to re-export")
         self.weights, self.accuracy_level = export_weights(manifest)
-        self.rows_exact = rows_exact(manifest)
+        self._check_rows(manifest, self.model.config)
         runners = {}
         for name in GRAPHS:
             inputs, outputs = graph_io(name, self.model.config, self.exit_layer)

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from kangaroo_backends.families import family_of, layer_kinds, rotary_embeddings
-from kangaroo_backends.gguf_nbits import ROWS_BLOCKS, rows_at_once, rows_layout
+from kangaroo_backends.gguf_nbits import ROW_INDEPENDENT_LEVELS, ROWS, ROWS_AT_ONCE, ROWS_BLOCKS, rows_at_once
 from kangaroo_backends.onnx_bundle import (BIAS_INPUTS, FORMAT, FORMAT_VERSION, GRAPH_REVISION, WEIGHTS,
                                            atomic_directory, graph_io, graph_shapes, versions, write_manifest)
 from kangaroo_backends.onnx_toolkit import (DEFAULT_OPSET, DEFAULT_TOLERANCE, INSTALL_HINT, Attention, Rotary,
@@ -216,6 +216,10 @@ def export_onnx(model, out_dir: str | os.PathLike, *, exit_layer: int, fingerpri
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     dims = {"hidden": cfg.hidden_size, "vocab": cfg.vocab_size, "kv_heads": kvh, "head_dim": hd}
 
+    # int8 activations multiply all rows of a pass in one MatMulNBits call where its kernel is row-exact on this CPU
+    # (AVX-512), row by row where it is not (AVX2 alone): gguf_nbits.rows_at_once, measured here once
+    int8 = nbits is not None and kernel != "blocks" and int(accuracy_level) in ROW_INDEPENDENT_LEVELS
+    at_once = int8 and rows_at_once(accuracy_level, {w.k for w in nbits.values()})
     with atomic_directory(out_dir) as tmp:
         graphs = {}
         modules = {"shallow": ShallowGraph(model, exit_layer), "deep": DeepGraph(model, exit_layer),
@@ -239,10 +243,11 @@ def export_onnx(model, out_dir: str | os.PathLike, *, exit_layer: int, fingerpri
             limit = check_tolerance(name, check, tolerance)
             quantized, prefill = None, {}
             if nbits is not None:
-                one_by_one = kernel != "blocks" and not rows_at_once(accuracy_level)
-                # the prefill's own graph, rows at once: at the same level when the other graphs go row by row (see
-                # gguf_nbits.row_by_row), at float32 activations when they are int8 ones (PREFILL_ACCURACY_LEVEL)
-                prefill_level = accuracy_level if one_by_one else PREFILL_ACCURACY_LEVEL
+                one_by_one = kernel != "blocks" and not at_once
+                # the prefill's own graph, rows at once: at float32 activations when the other graphs are int8 ones
+                # (PREFILL_ACCURACY_LEVEL; whether they go row by row or not), else at their level (see
+                # gguf_nbits.row_by_row)
+                prefill_level = PREFILL_ACCURACY_LEVEL if int8 else accuracy_level
                 if name != "head" and kernel != "blocks" and (one_by_one or accuracy_level > prefill_level):
                     prefill_file = tmp / f"{name}.prefill.onnx"
                     _quantize(file, name, model, nbits, exit_layer, num_layers, prefill_level, rows_one_by_one=False,
@@ -273,7 +278,7 @@ def export_onnx(model, out_dir: str | os.PathLike, *, exit_layer: int, fingerpri
             "weights": weights if nbits is None else {
                 "format": "gguf-blocks" if kernel == "blocks" else "gguf-matmulnbits", "gguf_file": Path(gguf_path).name,
                 "accuracy_level": int(accuracy_level),
-                "rows": ROWS_BLOCKS if kernel == "blocks" else rows_layout(accuracy_level)},
+                "rows": ROWS_BLOCKS if kernel == "blocks" else ROWS_AT_ONCE if at_once else ROWS},
             "kv_layout": "[batch, seq, kv_heads, head_dim]; graphs return the new positions' KV only",
             "model_name": model_name,
             "base_model_fingerprint": fingerprint,

@@ -30,7 +30,7 @@ from kangaroo_core.errors import MissingDependencyError, OnnxExportError
 DEFAULT_OPSET = 17
 #: accepted max |onnx - eager| relative to max(1, max |eager|) per output
 DEFAULT_TOLERANCE = 1e-4
-INSTALL_HINT = "pip install 'kangaroo-decoding[onnx]'"
+INSTALL_HINT = "pip install onnxruntime onnx (kangaroo's [onnx] extra)"
 
 
 def import_onnxruntime():

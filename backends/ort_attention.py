@@ -71,14 +71,13 @@ def register_if_used(path: Path, options) -> bool:
 
 def require(path: Path) -> None:
     """One line when a graph needing kangaroo's ops cannot have them (no compiler, no AVX2)."""
-    from kangaroo_backends import block_weights
     from kangaroo_core.errors import OnnxModelError
 
     built, why = library()
     if built is None:
         raise OnnxModelError(f"{path} runs kangaroo's own kernels, which are not available here: {why}; re-export "
                              "with --onnx-kernel matmulnbits")
-    if block_weights.isa() == "none":
+    if ctypes.CDLL(str(built)).block_matmul_isa() == 0:  # the op's own copy of the block kernel: no AVX2 path
         raise OnnxModelError(f"{path} runs kangaroo's block kernel, which needs a CPU with AVX2 and FMA; re-export "
                              "with --onnx-kernel matmulnbits")
 

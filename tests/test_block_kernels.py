@@ -17,14 +17,15 @@ from gguf import GGMLQuantizationType as QT  # noqa: E402
 from gguf import quants  # noqa: E402
 
 from kangaroo_backends import block_weights  # noqa: E402
-from kangaroo_backends.block_weights import UnsupportedQuantization, from_gguf  # noqa: E402
+from kangaroo_backends.block_weights import SOURCES, UnsupportedQuantization, from_gguf  # noqa: E402
 
 if block_weights.library()[0] is None or block_weights.isa() == "none":
     pytest.skip(f"the block kernel cannot run here: {block_weights.library()[1] or 'no AVX2'}", allow_module_level=True)
 
 TYPES = [QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q5_0, QT.Q6_K, QT.Q8_0]
-#: instruction sets this CPU can run the kernel on (avx512-vnni implies avx2)
-ISAS = ["avx2"] + (["avx512-vnni"] if block_weights.isa() == "avx512-vnni" else [])
+#: instruction sets this CPU can run the kernel on (avx512-vnni implies avx2; KANGAROO_ISA=avx2 leaves avx2 alone):
+#: every test of the kernel's arithmetic runs on each
+ISAS = block_weights.available_isas()
 
 
 def weight(qtype, n=37, k=None, seed=0):
@@ -112,7 +113,7 @@ def test_products_match_the_dequantized_reference_and_every_row_is_exact(qtype, 
 @pytest.mark.parametrize("qtype", TYPES)
 def test_the_two_instruction_sets_agree_bit_for_bit(qtype):
     if len(ISAS) < 2:
-        pytest.skip("this CPU has no AVX-512 VNNI")
+        pytest.skip(f"the kernel has one path here, {ISAS[0]} (no AVX-512 VNNI, or KANGAROO_ISA=avx2)")
     packed, _ = weight(qtype, n=19)
     x = np.random.default_rng(2).standard_normal((11, packed.k)).astype(np.float32)
     results = []
@@ -154,7 +155,9 @@ def _op_graph(packed, activations: str, rows_dim="rows"):
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q6_K, QT.Q8_0])
-def test_the_onnxruntime_op_gives_the_kernels_bits_on_any_thread_count(qtype, tmp_path):
+def test_the_onnxruntime_op_gives_the_kernels_bits_on_any_thread_count_and_path(qtype, tmp_path):
+    """The op in onnxruntime gives the directly called kernel's bits at 1 and 2 threads, on each path the CPU has
+    (forced in the op's own loaded library), and the paths give the same bits."""
     import onnxruntime as ort
 
     from kangaroo_backends import ort_attention
@@ -164,28 +167,105 @@ def test_the_onnxruntime_op_gives_the_kernels_bits_on_any_thread_count(qtype, tm
     for activations in ("int8", "float32"):
         path = tmp_path / f"{activations}.onnx"
         onnx.save(_op_graph(packed, activations), str(path))
-        direct = block_weights.matmul(packed, x[0], activations)
+        sessions = []
         for threads in (1, 2):
             options = ort.SessionOptions()
             options.intra_op_num_threads = threads
             assert ort_attention.register_if_used(path, options)
-            session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-            (y,) = session.run(None, {"x": x})
-            np.testing.assert_array_equal(y[0].view(np.uint32), direct.view(np.uint32))
+            sessions.append(ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]))
+        first = None
+        for isa in ISAS:
+            with block_weights.forced_isa(isa):
+                direct = block_weights.matmul(packed, x[0], activations)
+                for session in sessions:
+                    (y,) = session.run(None, {"x": x})
+                    np.testing.assert_array_equal(y[0].view(np.uint32), direct.view(np.uint32), err_msg=isa)
+            first = direct if first is None else first
+            np.testing.assert_array_equal(direct.view(np.uint32), first.view(np.uint32), err_msg=isa)
+        with block_weights.forced_isa("none"):  # the forcing reaches the op: with no path it refuses the call
+            with pytest.raises(Exception, match="BlockMatMul: refused the call"):
+                sessions[0].run(None, {"x": x})
 
 
-def test_a_cpu_without_avx2_is_refused_in_one_line(monkeypatch, tmp_path):
+def test_kangaroo_isa_runs_the_avx2_path_on_any_cpu_and_other_values_are_refused(tmp_path):
+    """KANGAROO_ISA=avx2 (read when the kernel picks its path) gives a process the AVX2 path whatever the CPU has,
+    with the bits this process gets from that path (under an emulator, the child runs natively: the same bits
+    from a real CPU and an emulated one); an unknown value is refused in one line."""
+    import os
+    import subprocess
+    import sys
+
+    packed, _ = weight(QT.Q4_1)
+    x = np.random.default_rng(4).standard_normal((11, packed.k)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "codes.npy", packed.codes)
+    np.save(tmp_path / "scales.npy", packed.scales)
+    np.save(tmp_path / "mins.npy", packed.mins)
+    script = (
+        "import sys, attrs, numpy as np\n"
+        "from kangaroo_backends import block_weights as b\n"
+        "from kangaroo_core.config import ConfigError\n"
+        "try:\n"
+        "    print(b.isa(), b.available_isas())\n"
+        "except ConfigError as exc:\n"
+        "    print('refused:', exc); sys.exit(0)\n"
+        f"d = {str(tmp_path)!r}\n"
+        f"w = b.BlockWeight('t', 'Q4_1', 'q4', 32, {packed.n}, {packed.k}, np.load(d + '/codes.npy'), "
+        "np.load(d + '/scales.npy'), np.load(d + '/mins.npy'))\n"
+        "for a in ('int8', 'float32'): np.save(f'{d}/{a}.npy', b.matmul(w, np.load(d + '/x.npy'), a))\n")
+
+    def run(value):
+        env = {**os.environ, block_weights.ISA_ENV: value}
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    assert run("avx2") == "avx2 ['avx2']"
+    with block_weights.forced_isa("avx2"):
+        for activations in ("int8", "float32"):
+            here = block_weights.matmul(packed, x, activations)
+            np.testing.assert_array_equal(np.load(tmp_path / f"{activations}.npy").view(np.uint32), here.view(np.uint32))
+    assert run("avx512") == "refused: KANGAROO_ISA must be auto, avx2 or avx512-vnni, got 'avx512'"
+
+
+def test_kangaroo_march_builds_the_kernels_for_another_cpu(monkeypatch, tmp_path):
+    """KANGAROO_MARCH=x86-64-v3 builds for any CPU with AVX2 instead of this one (an emulated CPU's, whose compiler
+    runs natively): another library than the -march=native one, one build whatever the CPU, and it runs (no AVX-512
+    outside the kernel's own AVX-512 functions, which the path choice keeps from a CPU without it)."""
+    import ctypes
+    from importlib import resources
+
+    from kangaroo_backends import native
+
+    cc = native.compiler()
+    monkeypatch.setenv("KANGAROO_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(native.MARCH_ENV, raising=False)
+    flags = tuple(f for f in native.FLAGS if f != "-fopenmp")
+    sources = {name: resources.files("kangaroo_backends").joinpath(name).read_bytes() for name in SOURCES}
+    here = native.build_library(cc, sources, flags, "block_matmul")
+    monkeypatch.setenv(native.MARCH_ENV, "x86-64-v3")
+    assert native.target_flags(flags) == tuple("-march=x86-64-v3" if f == "-march=native" else f for f in flags)
+    portable = native.build_library(cc, sources, flags, "block_matmul")
+    assert portable != here and portable.is_file()
+    monkeypatch.setattr(native, "cpu_identity", lambda: "another CPU|avx2")
+    assert native.build_library(cc, sources, flags, "block_matmul") == portable
+    lib = ctypes.CDLL(str(portable))
+    assert block_weights.ISAS[lib.block_matmul_isa()] == block_weights.isa()
+
+
+def test_a_cpu_without_avx2_is_refused_in_one_line(tmp_path):
     from kangaroo_backends import onnx_backend, ort_attention
     from kangaroo_core.config import ConfigError
     from kangaroo_core.errors import OnnxModelError
 
-    monkeypatch.setattr(block_weights, "isa", lambda: "none")  # what block_matmul_isa() says on such a CPU
-    with pytest.raises(ConfigError, match=r"^kernel=blocks: kangaroo's block kernel is not available: this CPU has "
-                                          r"no AVX2 and FMA$"):
-        onnx_backend.resolve_kernel("blocks", onnx_backend.PROVIDERS["cpu"], 4)
-    assert onnx_backend.resolve_kernel("auto", onnx_backend.PROVIDERS["cpu"], 4) == "matmulnbits"  # falls back
-    with pytest.raises(OnnxModelError, match="needs a CPU with AVX2 and FMA; re-export with --onnx-kernel matmulnbits"):
-        ort_attention.require(tmp_path / "deep.onnx")
+    with block_weights.forced_isa("none"):  # what block_matmul_isa() says on such a CPU, in both loaded copies
+        with pytest.raises(ConfigError, match=r"^kernel=blocks: kangaroo's block kernel is not available: this CPU "
+                                              r"has no AVX2 and FMA$"):
+            onnx_backend.resolve_kernel("blocks", onnx_backend.PROVIDERS["cpu"], 4)
+        assert onnx_backend.resolve_kernel("auto", onnx_backend.PROVIDERS["cpu"], 4) == "matmulnbits"  # falls back
+        with pytest.raises(OnnxModelError, match="needs a CPU with AVX2 and FMA; re-export with --onnx-kernel "
+                                                 "matmulnbits"):
+            ort_attention.require(tmp_path / "deep.onnx")
 
 
 @pytest.fixture(scope="module")
@@ -223,6 +303,15 @@ def test_the_4_bit_backend_on_the_block_kernel_is_lossless(tiny_gguf, tmp_path, 
     assert block_weights.OP in ops and not ops & {"MatMulNBits", "Scan"}
     assert {p.name for p in backend.swapped} == {"shallow.onnx", "deep.onnx"}  # attention in place, beside the kernel
     check_rows_exact(backend, [7, 1, 30], [5, 17, 3, 88, 41, 9, 60, 2], splits=[(1, 7), (8,), (3, 5)])
+    # each path the CPU has (forced in the op's library while the sessions run): rows exact, and the same logits
+    passes = []
+    for isa in ISAS:
+        with block_weights.forced_isa(isa):
+            check_rows_exact(backend, [7, 1, 30], [5, 17, 3, 88, 41, 9, 60, 2], splits=[(1, 7)])
+            backend.reset()
+            backend.deep(backend.shallow([7, 1, 30], 0), 0)
+            passes.append(backend.deep(backend.shallow([5, 17, 3, 88, 41], 3), 3).logits)
+    assert all(torch.equal(logits, passes[0]) for logits in passes)
     for prompt, vanilla in kangaroo_equals_target_alone(backend, [[(13 * seed + 3 * i) % 96 for i in range(7)]
                                                                  for seed in range(2)]):
         if level == 1:

@@ -281,21 +281,41 @@ def test_a_gguf_with_an_unmapped_type_is_refused(tiny_gguf, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("level", [1, 4])
-def test_a_verify_pass_reproduces_one_position_passes_bit_for_bit(tiny_gguf, tmp_path, level):
+def not_row_exact(monkeypatch):
+    """Make this process see MatMulNBits' int8 kernel as a CPU with AVX2 alone has it (not row-exact: onnxruntime's
+    AVX2 kernel takes another path for one row than for several), whatever this CPU has."""
+    from kangaroo_backends import gguf_nbits
+
+    monkeypatch.setattr(gguf_nbits, "row_difference",
+                        lambda level, ks: "row 0 of a 2-row call differs from its one-row call (as on AVX2 alone)")
+
+
+#: the int8 kernel as this CPU has it, and as a CPU where it is not row-exact has it (AVX2 without AVX-512)
+INT8_KERNELS = ["this-cpu", "not-row-exact"]
+
+
+@pytest.mark.parametrize("level,int8_kernel", [(1, "this-cpu"), (4, "this-cpu"), (4, "not-row-exact")],
+                         ids=["1", "4", "4-not-row-exact"])
+def test_a_verify_pass_reproduces_one_position_passes_bit_for_bit(tiny_gguf, tmp_path, monkeypatch, level,
+                                                                  int8_kernel):
     """At float32 activations (level 1) MatMulNBits' multi-row kernel differs from its one-row kernel in the last
-    bits, so those graphs go row by row; at int8 activations (level 4) the kernel computes each row alone, so those
-    graphs multiply all rows at once (no Scan). Both prefill the prompt in a graph of their own, at float32
-    activations. Either way a pass over n positions gives exactly the logits of n one-position passes."""
+    bits, so those graphs go row by row; at int8 activations (level 4) the kernel computes each row alone where the CPU
+    has AVX-512, so those graphs multiply all rows at once (no Scan) — where it does not (AVX2 alone: measured at
+    export, gguf_nbits.row_difference; here also pretended), they go row by row too. Both prefill the prompt in a
+    graph of their own, at float32 activations. Either way a pass over n positions gives exactly the logits of n
+    one-position passes."""
+    from kangaroo_backends import gguf_nbits
     from kangaroo_backends.onnx_backend import OnnxBackend
     from kangaroo_backends.onnx_export import export_onnx
     from kangaroo_apps.testing import TinyTokenizer, check_rows_exact
 
     model, path = tiny_gguf
+    if int8_kernel == "not-row-exact":
+        not_row_exact(monkeypatch)
     manifest = export_onnx(model, tmp_path / "b", exit_layer=1, weights="gguf", gguf_path=path, accuracy_level=level,
                            quiet=True)
-    at_once = level == 4
-    assert (manifest["weights"]["rows"] == ROWS_AT_ONCE) is at_once
+    at_once = level == 4 and gguf_nbits.row_difference(4, gguf_nbits.linear_ks(model.config)) is None
+    assert manifest["weights"]["rows"] == (ROWS_AT_ONCE if at_once else ROWS)
     assert all(("prefill_file" in graph) is (name != "head") for name, graph in manifest["graphs"].items())
     assert {manifest["graphs"][name]["prefill_accuracy_level"] for name in ("shallow", "deep")} == {1}
     scans = [node for node in onnx.load(str(tmp_path / "b" / "deep.onnx")).graph.node if node.op_type == "Scan"]
@@ -304,6 +324,7 @@ def test_a_verify_pass_reproduces_one_position_passes_bit_for_bit(tiny_gguf, tmp
               if node.op_type == "MatMulNBits" for a in node.attribute if a.name == "accuracy_level"}
     assert levels == {1}
     backend = OnnxBackend(model, TinyTokenizer(96, None), 1, "tiny", bundle=tmp_path / "b", provider="cpu", threads=2)
+    assert backend.inexact_multi_position is None
     check_rows_exact(backend, [7, 1, 30], [5, 17, 3, 88, 41, 9, 60, 2], splits=[(1, 7)])  # one row, then a 7-row pass
     check_rows_exact(backend, [7, 1, 30], [5, 17, 3, 88, 41, 9, 60, 2], splits=[(8,)])  # the prefill's pass too
     # the attention op runs where a cache is read: the main graphs, and a prefill graph that also takes the one-row
@@ -312,14 +333,55 @@ def test_a_verify_pass_reproduces_one_position_passes_bit_for_bit(tiny_gguf, tmp
 
     swapped = {p.name for p in backend.swapped}
     if ort_attention.library()[0] is not None:  # a C compiler builds the op (KANGAROO_NATIVE unset)
-        assert swapped == {"shallow.onnx", "deep.onnx"} | (set() if at_once else {"shallow.prefill.onnx",
-                                                                                 "deep.prefill.onnx"})
+        assert swapped == {"shallow.onnx", "deep.onnx"} | (set() if level == 4 else {"shallow.prefill.onnx",
+                                                                                    "deep.prefill.onnx"})
 
 
-def test_int8_activations_draft_losslessly_and_an_older_4_bit_bundle_is_refused(tiny_gguf, tmp_path):
+def test_the_row_probe_says_what_the_int8_kernel_does_on_this_cpu(tiny_gguf):
+    """gguf_nbits.row_difference (run at export, and for an all-rows-at-once bundle at load) agrees with a wider
+    measurement on the tiny GGUF's own blocks (Q4_1 with its zero points and Q8_0: every one of 16 rows, calls of
+    2..16 rows, 1 and 2 threads), and finds the difference that float32 activations (level 1) always have."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from kangaroo_backends import gguf_nbits
+    from kangaroo_backends.native import cpu_identity
+
+    model, path = tiny_gguf
+    assert gguf_nbits.row_difference(1, gguf_nbits.linear_ks(model.config))  # the negative control
+    probed = gguf_nbits.row_difference(4, gguf_nbits.linear_ks(model.config))
+    weights = read_linear_weights(path, model.config)
+    x = np.random.default_rng(7).standard_normal((16, 64)).astype(np.float32)
+    exact = True
+    for name in ("model.layers.0.mlp.up_proj.weight", "lm_head.weight"):  # 4-bit with zero points, 8-bit
+        weight = weights[name]
+        inits = [numpy_helper.from_array(weight.codes, "B"), numpy_helper.from_array(weight.scales, "S")]
+        if weight.zero_points is not None:
+            inits.append(numpy_helper.from_array(weight.zero_points, "Z"))
+        node = helper.make_node("MatMulNBits", ["A", "B", "S"] + ["Z"] * (weight.zero_points is not None), ["Y"],
+                                domain="com.microsoft", K=weight.k, N=weight.n, bits=weight.bits, block_size=32,
+                                accuracy_level=4)
+        graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["m", 64])],
+                                  [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["m", weight.n])], inits)
+        proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                        helper.make_opsetid("com.microsoft", 1)])
+        for threads in (1, 2):
+            options = ort.SessionOptions()
+            options.intra_op_num_threads = threads
+            session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+            alone = np.concatenate([session.run(None, {"A": x[i:i + 1]})[0] for i in range(16)])
+            for rows in range(2, 17):
+                together = session.run(None, {"A": x[:rows]})[0]
+                exact &= np.array_equal(together.view(np.uint32), alone[:rows].view(np.uint32))
+    assert (probed is None) == exact, f"probe: {probed!r}, measured row-exact: {exact}; CPU: {cpu_identity()}"
+
+
+@pytest.mark.parametrize("int8_kernel", INT8_KERNELS)
+def test_int8_activations_draft_losslessly_and_an_older_4_bit_bundle_is_refused(tiny_gguf, tmp_path, monkeypatch,
+                                                                               int8_kernel):
     """At accuracy level 4 Kangaroo is token-identical to that backend's own target alone (the int8 kernel computes
-    each row alone); a 4-bit bundle whose manifest does not say so (exported before) runs the target alone and refuses drafters
-    in one line."""
+    each row alone, or — where it does not, AVX2 alone — the export goes row by row); a 4-bit bundle whose manifest does
+    not say so (exported before) runs the target alone and refuses drafters in one line."""
     from kangaroo_backends.onnx_backend import OnnxBackend
     from kangaroo_backends.onnx_export import export_onnx
     from kangaroo_core.config import ConfigError, DecodeConfig
@@ -330,6 +392,8 @@ def test_int8_activations_draft_losslessly_and_an_older_4_bit_bundle_is_refused(
     from kangaroo_policies.threshold import ThresholdPolicy
 
     model, path = tiny_gguf
+    if int8_kernel == "not-row-exact":
+        not_row_exact(monkeypatch)
     export_onnx(model, tmp_path / "a4", exit_layer=1, weights="gguf", gguf_path=path, accuracy_level=4, quiet=True)
     backend = OnnxBackend(model, TinyTokenizer(96, None), 1, "tiny", bundle=tmp_path / "a4", provider="cpu")
     assert backend.accuracy_level == 4 and backend.inexact_multi_position is None  # read before any session opens
@@ -360,6 +424,43 @@ def test_int8_activations_draft_losslessly_and_an_older_4_bit_bundle_is_refused(
         Engine(old, KangarooDrafter(), ThresholdPolicy(), GreedyVerifier(), config)
 
 
+def test_an_all_rows_at_once_bundle_does_not_draft_where_the_int8_kernel_is_not_row_exact(tiny_gguf, tmp_path,
+                                                                                          monkeypatch):
+    """A level-4 bundle exported where MatMulNBits' int8 kernel is row-exact (AVX-512: all rows at once) and run
+    where it is not (AVX2 alone) would verify inexactly: it runs the target alone and refuses drafters in one line
+    naming the difference found here. The export cache keeps such CPUs' row-by-row exports apart (``-rows``)."""
+    from kangaroo_backends import gguf_nbits
+    from kangaroo_backends.onnx_backend import OnnxBackend
+    from kangaroo_backends.onnx_export import export_onnx
+    from kangaroo_core.config import ConfigError, DecodeConfig
+    from kangaroo_core.engine import Engine
+    from kangaroo_apps.testing import TinyTokenizer
+    from kangaroo_plugins.greedy_verifier import GreedyVerifier
+    from kangaroo_plugins.kangaroo.drafter import KangarooDrafter
+    from kangaroo_policies.threshold import ThresholdPolicy
+
+    model, path = tiny_gguf
+    monkeypatch.setattr(gguf_nbits, "row_difference", lambda level, ks: None)  # exported as on AVX-512
+    manifest = export_onnx(model, tmp_path / "a4", exit_layer=1, weights="gguf", gguf_path=path, accuracy_level=4,
+                           quiet=True)
+    assert manifest["weights"]["rows"] == ROWS_AT_ONCE
+    cached = OnnxBackend(model, TinyTokenizer(96, None), 1, "tiny", provider="cpu", weights="gguf", accuracy_level=4,
+                         gguf_path=path, kernel="matmulnbits").export_dir()
+    not_row_exact(monkeypatch)  # run as on AVX2 alone
+    backend = OnnxBackend(model, TinyTokenizer(96, None), 1, "tiny", bundle=tmp_path / "a4", provider="cpu")
+    assert backend.inexact_multi_position.startswith(
+        "this 4-bit ONNX export multiplies all rows of a pass in one int8 MatMulNBits call, which is not row-exact on "
+        "this CPU (row 0 of a 2-row call differs")
+    config = DecodeConfig(exit_layer=1, max_new_tokens=20)
+    assert Engine(backend, None, ThresholdPolicy(), GreedyVerifier(), config).generate_ids([1, 2, 3]).token_ids
+    with pytest.raises(ConfigError, match="^drafting on this backend would not be lossless: this 4-bit ONNX export "
+                                          "multiplies all rows .* use --onnx-kernel blocks to draft$"):
+        Engine(backend, KangarooDrafter(), ThresholdPolicy(), GreedyVerifier(), config)
+    rows = OnnxBackend(model, TinyTokenizer(96, None), 1, "tiny", provider="cpu", weights="gguf", accuracy_level=4,
+                       gguf_path=path, kernel="matmulnbits").export_dir()
+    assert rows.name == f"{cached.name}-rows"
+
+
 def test_llama_cpp_method_says_how_to_install_it(monkeypatch):
     import builtins
 
@@ -374,5 +475,5 @@ def test_llama_cpp_method_says_how_to_install_it(monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_llama)
-    with pytest.raises(MissingDependencyError, match=r"pip install 'kangaroo-decoding\[llama-cpp\]'"):
+    with pytest.raises(MissingDependencyError, match=r"pip install llama-cpp-python \(kangaroo's \[llama-cpp\] extra\)"):
         LlamaCpp().prepare(None)
