@@ -16,9 +16,10 @@ import attrs
 import click
 
 from kangaroo_core.config import DEFAULT_DRAFTER, DEFAULT_EXIT_LAYER
-from kangaroo_apps.cli_options import (EngineCommand, EngineOptions, check_device, check_out_dir,
-                                       check_ray_pool_options, device_option, engine_options, model_options,
-                                       parse_key_values, ray_pool_options, set_threads)
+from kangaroo_apps.cli_options import (SHIPPED_CORPUS, SHIPPED_PROMPTS, SHIPPED_QUESTIONS, EngineCommand,
+                                       EngineOptions, check_device, check_out_dir, check_ray_pool_options,
+                                       device_option, engine_options, model_options, parse_key_values,
+                                       ray_pool_options, set_threads)
 from kangaroo_core.errors import KangarooError, UsageError
 
 
@@ -68,10 +69,10 @@ def generate(prompt, opts: EngineOptions, prompts_file, batch, vanilla, compare,
     if prompts_file is not None:
         if compare:
             raise click.UsageError("--compare applies to a single PROMPT")
-        from kangaroo_apps.prompts_file import answer_file
+        from kangaroo_apps.prompts_file import answer_file, read_prompts
 
-        totals = answer_file(opts.engine(vanilla=vanilla), prompts_file, batch=batch, chat=not no_chat,
-                             as_json=as_json)
+        prompts = read_prompts(prompts_file)
+        totals = answer_file(opts.engine(vanilla=vanilla), prompts, batch=batch, chat=not no_chat, as_json=as_json)
         _eprint(f"[{'vanilla' if vanilla else 'kangaroo'}] {totals['answers']} answers, {totals['new_tokens']} tokens "
                 f"in {totals['seconds']:.1f} s: {totals['tokens_per_second']:.1f} tok/s aggregate, "
                 f"{totals['streams_per_pass']:.2f} streams per pass")
@@ -174,7 +175,6 @@ def _compare(engine, prompt: str, chat: bool, as_json: bool, repeats: int = 1) -
             f"{kangaroo_speed:.1f} tok/s · speedup {speedup:.2f}x vs vanilla (pairs {min(pairs):.2f}x-{max(pairs):.2f}x)"
             f" · output identical to vanilla{' on every run' if greedy else ''}: {same}")
 
-DEFAULT_QUESTIONS = "../shared/data/specbench_dev.jsonl"
 _argv: list[str] = []
 
 
@@ -240,7 +240,7 @@ def _policy_specs(text: str | None):
 
 
 @cli.command(cls=EngineCommand)
-@click.option("--questions", "questions_file", default=DEFAULT_QUESTIONS, show_default=True,
+@click.option("--questions", "questions_file", **SHIPPED_QUESTIONS,
               help="Spec-Bench-format JSONL (question_id, turns, subtask or category).")
 @click.option("--out", "out_dir", default="bench-results", show_default=True, help="Output directory.")
 @click.option("--methods", default=None,
@@ -273,24 +273,25 @@ def bench(questions_file, out_dir, methods, limit_per_subtask, repeats, no_warmu
     """Benchmark every method on Spec-Bench questions: results.json, results.md, plots in --out."""
     import datetime
 
-    import torch
+    from kangaroo_apps.bench.questions import load_questions
 
+    out = check_out_dir(out_dir)
+    questions = load_questions(questions_file, limit_per_subtask)  # a bad file: refused before anything loads
     if concurrency is not None:
         levels = _int_list(concurrency, "--concurrency")
         if not levels or min(levels) < 1:
             raise UsageError("--concurrency takes stream counts >= 1, e.g. 1,2,4,8")
-        _bench_concurrency(opts, questions_file, limit_per_subtask, levels, check_out_dir(out_dir), not no_progress)
+        _bench_concurrency(opts, questions, levels, out, not no_progress)
         return
+
+    import torch
 
     from kangaroo_core.bench_context import BenchContext
     from kangaroo_apps.bench.harness import MethodSpec, build_methods, parse_methods, run_bench, summarize
-    from kangaroo_apps.bench.questions import load_questions
     from kangaroo_apps.bench.report import write_adapters, write_outputs, write_sweep
 
     config = opts.config()
     eta, gamma, max_new_tokens = opts.eta, opts.gamma, opts.max_new_tokens
-    out = check_out_dir(out_dir)
-    questions = load_questions(questions_file, limit_per_subtask)
     etas, gammas = _float_list(sweep_eta, "--sweep-eta"), _int_list(sweep_gamma, "--sweep-gamma")
     adapter_specs, adapter_points = _adapter_specs(adapters)
     policy_specs = _policy_specs(policies)
@@ -346,16 +347,14 @@ def bench(questions_file, out_dir, methods, limit_per_subtask, repeats, no_warmu
     click.echo(f"wrote {', '.join(str(f) for f in files)}")
 
 
-def _bench_concurrency(opts: EngineOptions, questions_file, limit_per_subtask, levels, out, progress: bool) -> None:
+def _bench_concurrency(opts: EngineOptions, questions, levels, out, progress: bool) -> None:
     import datetime
 
     import torch
 
-    from kangaroo_apps.bench.questions import load_questions
     from kangaroo_apps.studies.concurrency import concurrency_table, markdown
     from kangaroo_core.engine import assemble
 
-    questions = load_questions(questions_file, limit_per_subtask)
     backend = opts.backend()
     engines = {"vanilla": assemble(opts.spec(vanilla=True), backend=backend),
                "kangaroo": assemble(opts.spec(), backend=backend)}
@@ -373,7 +372,7 @@ def _bench_concurrency(opts: EngineOptions, questions_file, limit_per_subtask, l
 
 
 @cli.command(cls=EngineCommand)
-@click.option("--questions", "questions_file", default=DEFAULT_QUESTIONS, show_default=True,
+@click.option("--questions", "questions_file", **SHIPPED_QUESTIONS,
               help="Spec-Bench-format questions: the first of each kind is asked (first turn).")
 @click.option("--prompt", default=None, help="Ask this instead of the dev questions.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
@@ -381,16 +380,24 @@ def _bench_concurrency(opts: EngineOptions, questions_file, limit_per_subtask, l
 def demo(questions_file, prompt, no_progress, opts: EngineOptions) -> None:
     """Kangaroo next to transformers' greedy generate and the same engine's target alone, on one question of
     each kind: tokens/s, speedups, CR and the identity check, in about a minute."""
-    from kangaroo_apps.demo import demo_questions, demo_table, run_demo
+    from kangaroo_apps.bench.questions import demo_questions
 
     if prompt is not None:
         check_text(prompt, "the prompt")
         if not prompt.strip():
             raise KangarooError("the prompt is empty")
-    summary = run_demo(opts, demo_questions(questions_file, prompt), progress=not no_progress)
+    questions = demo_questions(questions_file, prompt)  # a bad file: refused before anything loads
+
+    from kangaroo_apps.demo import demo_failure, demo_table, run_demo
+
+    summary = run_demo(opts, questions, progress=not no_progress)
     _eprint(f"kangaroo demo: {summary['model']}, {opts.max_new_tokens} new tokens per answer, greedy unless "
             "--temperature; speedups are tokens/s ratios measured side by side in this run")
     click.echo(demo_table(summary))
+    failure = demo_failure(summary)
+    if failure:
+        _eprint(f"kangaroo demo: {failure}")
+        raise SystemExit(1)
 
 
 @cli.command("gpu-check")
@@ -404,7 +411,7 @@ def demo(questions_file, prompt, no_progress, opts: EngineOptions) -> None:
 @model_options
 @click.option("--adapter", default=None,
               help="Adapter directory or shipped adapter name (default: the shipped adapter for this model, as for generate).")
-@click.option("--questions", "questions_file", default=DEFAULT_QUESTIONS, show_default=True,
+@click.option("--questions", "questions_file", **SHIPPED_QUESTIONS,
               help="Spec-Bench-format JSONL questions (Spec-Bench's own data/spec_bench/question.jsonl works too).")
 @click.option("--limit-per-subtask", type=int, default=2, show_default=True, help="The first K questions of each subtask.")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True, help="New tokens per turn (greedy).")
@@ -446,7 +453,7 @@ def gpu_check(device, dtypes, graphs, model, exit_layer, threads, adapter, quest
 @model_options
 @device_option(help="Where the target answers, the features are computed and the adapter trains: cpu (the default), "
                     "cuda or cuda:N. Weights and optimizer stay float32 (faster steps: --train-matmuls bfloat16).")
-@click.option("--prompts", "prompts_file", default="../shared/data/train_prompts.jsonl", show_default=True,
+@click.option("--prompts", "prompts_file", **SHIPPED_PROMPTS,
               help="JSONL prompts ({id, prompt, category}) or ShareGPT-style conversations. Never Spec-Bench.")
 @click.option("--corpus", "corpus_dir", default=None,
               help="Train on a committed self-distilled corpus (`kangaroo corpus build`) instead of generating answers; "
@@ -498,7 +505,6 @@ def train_adapter_command(out_dir, model, exit_layer, threads, device, prompts_f
     """Train a Kangaroo adapter by self-distillation (resumable; progress bars with ETA)."""
     from kangaroo_core.paths import cache_dir
     from kangaroo_tools.adapter_training import TrainConfig, train_adapter
-    from kangaroo_tools.prompts import read_prompts
 
     check_device(device)
     try:
@@ -531,7 +537,7 @@ def train_adapter_command(out_dir, model, exit_layer, threads, device, prompts_f
         corpus = Corpus(corpus_dir)
         corpus.manifest()  # not a corpus: refused before the model loads
     else:
-        read_prompts(prompts_file, warn=lambda _m: None)  # a file without usable prompts is refused before any work
+        check_training_prompts(prompts_file)
     backend = EngineOptions(model=model, exit_layer=exit_layer, threads=threads, device=device).backend(vanilla=True)
     work = work_dir or cache_dir() / "train" / backend.fingerprint
     _eprint(f"kangaroo: work directory {work} (re-run the same command to resume)")
@@ -548,6 +554,16 @@ def train_adapter_command(out_dir, model, exit_layer, threads, device, prompts_f
             f"CR {final['cr']:.2f} (eta={config.eta}, gamma={config.gamma})")
 
 
+def check_training_prompts(prompts_file: str, verb: str = "train on") -> None:
+    """A training prompts file is refused in one line before the model loads: missing, without usable prompts, or
+    named like Spec-Bench (evaluation only)."""
+    from kangaroo_tools.prompts import read_prompts
+
+    if "specbench" in os.path.basename(prompts_file).lower().replace("-", "").replace("_", ""):
+        raise KangarooError(f"refusing to {verb} {prompts_file}: Spec-Bench is for evaluation only")
+    read_prompts(prompts_file, warn=lambda _m: None)
+
+
 def command_line() -> str:
     """The command as the user typed it (for reports), quoted so it can be pasted back."""
     return "kangaroo " + shlex.join(_argv)
@@ -559,7 +575,7 @@ def command_line() -> str:
 @device_option
 @click.option("--dtype", default=None, help="Model dtype: float32 (the default), bfloat16, float16.")
 @click.option("--adapter", default=None, help="Adapter directory (default: the shipped adapter for this model, as for generate).")
-@click.option("--prompts", "prompts_file", default="../shared/data/train_prompts.jsonl", show_default=True,
+@click.option("--prompts", "prompts_file", **SHIPPED_PROMPTS,
               help="JSONL training prompts ({id, prompt, category} or ShareGPT-style). Never Spec-Bench.")
 @click.option("--num-prompts", type=int, default=64, show_default=True)
 @click.option("--gamma", type=int, default=6, show_default=True, help="Drafts per round of the fixed-gamma runs.")
@@ -570,15 +586,18 @@ def command_line() -> str:
 def train_policy_command(out_dir, model, exit_layer, threads, device, dtype, adapter, prompts_file, num_prompts, gamma,
                          max_new_tokens, steps, lr, seed) -> None:
     """Fit the learned policy's acceptance predictor on fixed-gamma greedy runs over training prompts."""
-    from kangaroo_core.assembly import build_pieces
-    from kangaroo_tools.policy_training import train_predictor
-
-    check_device(device)
     if num_prompts < 1 or steps < 1:
         raise UsageError("--num-prompts and --steps must be >= 1")
+    check_training_prompts(prompts_file)
     check_out_dir(out_dir)
     opts = EngineOptions(model=model, exit_layer=exit_layer, threads=threads, device=device, dtype=dtype, gamma=gamma,
                          max_new_tokens=max_new_tokens, adapter=adapter, drafter="kangaroo", policy="fixed")
+    opts.check()
+    check_device(device)
+
+    from kangaroo_core.assembly import build_pieces
+    from kangaroo_tools.policy_training import train_predictor
+
     set_threads(threads)
     pieces = build_pieces(opts.spec())  # at the adapter's exit layer unless --exit-layer is given
     report = train_predictor(pieces.backend, pieces.drafter, prompts_file, out_dir, num_prompts=num_prompts, gamma=gamma,
@@ -590,7 +609,7 @@ def train_policy_command(out_dir, model, exit_layer, threads, device, dtype, ada
 
 
 @cli.command("analyze-policies", cls=EngineCommand)
-@click.option("--questions", "questions_file", default=DEFAULT_QUESTIONS, show_default=True,
+@click.option("--questions", "questions_file", **SHIPPED_QUESTIONS,
               help="Spec-Bench-format JSONL (evaluation questions; nothing is trained on them).")
 @click.option("--out", "out_dir", default="policy-analysis", show_default=True, help="Output directory.")
 @click.option("--policies", default="fixed,threshold,adaptive,oracle", show_default=True,
@@ -703,12 +722,12 @@ def corpus() -> None:
 
 
 @corpus.command("build")
-@click.option("--out", "out_dir", default="corpora/smollm2-135m-instruct", show_default=True,
+@click.option("--out", "out_dir", **SHIPPED_CORPUS,
               help="Corpus directory (created, or extended when it exists: same model and settings only).")
 @model_options
 @device_option(help="Where the target answers: cpu (the default), cuda or cuda:N (float32 either way; each shard "
                     "records its device).")
-@click.option("--prompts", "prompts_file", default="../shared/data/train_prompts.jsonl", show_default=True,
+@click.option("--prompts", "prompts_file", **SHIPPED_PROMPTS,
               help="JSONL prompts ({id, prompt, category}) or ShareGPT-style conversations. Never Spec-Bench.")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Answer length (token budget).")
 @click.option("--heldout-prompts", type=int, default=64, show_default=True, help="Prompts held out for evaluation.")
@@ -724,18 +743,15 @@ def corpus_build(out_dir, model, exit_layer, threads, device, prompts_file, max_
     """Answer the prompts with the target (held-out split first), extending the corpus shard by shard (resumable)."""
     import time
 
-    from kangaroo_tools.corpus import Corpus, CorpusSettings, build
-
     check_ray_pool_options(ray_address, workers, threads_per_worker, threads)
+    check_training_prompts(prompts_file, "distil")
+    out = check_out_dir(out_dir)
     if ray_address is None:
         check_device(device)  # with --ray the workers' nodes hold the devices, not this one
-    if "specbench" in os.path.basename(prompts_file).lower().replace("-", "").replace("_", ""):
-        raise KangarooError(f"refusing to distil {prompts_file}: Spec-Bench is for evaluation only")
-    settings = CorpusSettings(max_new_tokens=max_new_tokens, heldout_prompts=heldout_prompts, shard_size=shard_size)
-    out = check_out_dir(out_dir)
-    from kangaroo_tools.prompts import read_prompts
 
-    read_prompts(prompts_file, warn=lambda _m: None)  # refused before the model loads
+    from kangaroo_tools.corpus import Corpus, CorpusSettings, build
+
+    settings = CorpusSettings(max_new_tokens=max_new_tokens, heldout_prompts=heldout_prompts, shard_size=shard_size)
     deadline = None if minutes is None else time.time() + 60 * minutes
     options = EngineOptions(model=model, exit_layer=exit_layer, threads=threads, device=device)
     if ray_address is not None:
@@ -752,7 +768,7 @@ def corpus_build(out_dir, model, exit_layer, threads, device, prompts_file, max_
 
 
 @corpus.command("info")
-@click.argument("directory", default="corpora/smollm2-135m-instruct")
+@click.argument("directory", default=SHIPPED_CORPUS["default"])
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def corpus_info(directory, as_json) -> None:
     """What a corpus holds: prompts, tokens and generation throughput per split."""
@@ -870,7 +886,7 @@ def serve(opts: EngineOptions, host, port, queue_size, max_batch, served_model_n
         from kangaroo_core.errors import MissingDependencyError
 
         raise MissingDependencyError(f"kangaroo serve needs the [serve] extra ({exc.name} is missing): "
-                                     "pip install 'kangaroo-decoding[serve]'") from None
+                                     "pip install fastapi uvicorn prometheus-client (kangaroo's [serve] extra)") from None
     if queue_size < 1:
         raise UsageError(f"--queue-size must be >= 1, got {queue_size}")
     if max_batch < 1:
@@ -898,8 +914,10 @@ def serve(opts: EngineOptions, host, port, queue_size, max_batch, served_model_n
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def plugins(as_json: bool) -> None:
     """List installed plugins: name, distribution, version, what each registers, errors."""
+    from kangaroo_apps.plugin_index import refresh
     from kangaroo_core.plugins import get_registry
 
+    refresh()  # the command line's copy of the plugins' facts, made anew from what is installed now
     report = get_registry().report()
     if as_json:
         click.echo(json.dumps(report, indent=2))

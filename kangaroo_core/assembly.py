@@ -16,7 +16,8 @@ from typing import Any
 
 import attrs
 
-from kangaroo_core.config import DEFAULT_DRAFTER, ConfigError, DecodeConfig, SamplingConfig
+from kangaroo_core.config import (DEFAULT_DRAFTER, ConfigError, DecodeConfig, SamplingConfig,
+                                  not_lossless_under_sampling)
 from kangaroo_core.interfaces import Backend, SelfDrafter, StoppingPolicy, TreeShaper, Verifier
 from kangaroo_core.plugins import get_registry
 
@@ -114,6 +115,9 @@ def check_spec(spec: EngineSpec, *, backend_loaded: bool = False) -> None:
     for kind, piece, options in named:
         if isinstance(piece, str) and not (kind == "backend" and backend_loaded):
             registry.check_options(kind, piece, options)
+    verifier = named[-1][1]
+    if isinstance(verifier, str) and not spec.config.sampling.greedy and not registry.resolve("verifier", verifier).samples:
+        raise not_lossless_under_sampling(verifier, spec.config.sampling.temperature)
 
 
 def build_pieces(spec: EngineSpec, backend: Backend | None = None) -> Pieces:
@@ -158,8 +162,7 @@ def split_for(backend: Backend, drafter: SelfDrafter | None, exit_layer: int | N
 def check_sampling(verifier: Verifier, sampling: SamplingConfig) -> None:
     """A verifier that is not lossless under sampling is refused at temperature > 0."""
     if not sampling.greedy and not verifier.samples:
-        raise ConfigError(f"the {verifier.name or type(verifier).__name__} verifier is only lossless at temperature 0, "
-                          f"got temperature={sampling.temperature}; use the speculative verifier (or auto)")
+        raise not_lossless_under_sampling(verifier.name or type(verifier).__name__, sampling.temperature)
 
 
 def _piece(kind: str, piece: Any, config: DecodeConfig, options: dict[str, Any]) -> Any:

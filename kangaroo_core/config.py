@@ -9,11 +9,25 @@ import math
 
 import attrs
 
-from kangaroo_core.errors import KangarooError
+from kangaroo_core.errors import KangarooError, PluginError
 
 
 class ConfigError(KangarooError, ValueError):
     """A configuration value is out of range. The message names the field."""
+
+
+def unknown_plugin(kind: str, name: str, known: list[str]) -> PluginError:
+    return PluginError(f"unknown {kind} '{name}'; known {kind} plugins: {', '.join(known) or 'none'}")
+
+
+def unknown_options(kind: str, name: str, unknown: list[str], valid: list[str] | None) -> ConfigError:
+    names = "unknown" if valid is None else ", ".join(valid) or "none"
+    return ConfigError(f"{kind} '{name}': unknown option(s) {', '.join(unknown)}; valid options: {names}")
+
+
+def not_lossless_under_sampling(verifier: str, temperature: float) -> ConfigError:
+    return ConfigError(f"the {verifier} verifier is only lossless at temperature 0, got temperature={temperature}; "
+                       "use the speculative verifier (or auto)")
 
 
 def _check(cond: bool, field: str, value, rule: str) -> None:

@@ -21,3 +21,5 @@ class Flag:
     choices: tuple[str, ...] | None = None
     type: type = str
     metavar: str | None = None
+    #: the value is a path that must exist (checked when the command line is parsed, before anything loads)
+    exists: bool = False

@@ -16,7 +16,7 @@ import attrs
 import pluggy
 
 from kangaroo_core import hookspecs
-from kangaroo_core.config import ConfigError, DecodeConfig
+from kangaroo_core.config import ConfigError, DecodeConfig, unknown_options, unknown_plugin
 from kangaroo_core.errors import PluginError
 from kangaroo_core.interfaces import Backend, BenchMethod, SelfDrafter, StoppingPolicy, TreeShaper, Verifier
 
@@ -147,8 +147,7 @@ class Registry:
             )
         entry = self._entries[kind].get(name)
         if entry is None:
-            known = ", ".join(self.names(kind)) or "none"
-            raise PluginError(f"unknown {kind} '{name}'; known {kind} plugins: {known}")
+            raise unknown_plugin(kind, name, self.names(kind))
         return entry.factory
 
     def create(self, kind: str, name: str, config: DecodeConfig, options: dict | None = None) -> Any:
@@ -177,8 +176,7 @@ class Registry:
         valid = option_names(factory)
         unknown = sorted(set(options) - set(valid)) if valid is not None else []
         if unknown:
-            raise ConfigError(f"{kind} '{name}': unknown option(s) {', '.join(unknown)}; valid options: "
-                              f"{valid_options(factory)}")
+            raise unknown_options(kind, name, unknown, valid)
 
     def report(self) -> list[dict[str, Any]]:
         return [self.plugins[name].to_dict() for name in sorted(self.plugins)]

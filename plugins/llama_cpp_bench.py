@@ -1,6 +1,6 @@
 """``llama_cpp``: the peer, llama.cpp (llama-cpp-python) decoding the same GGUF file, measured in the same bench run.
 
-An optional extra (``pip install 'kangaroo-decoding[llama-cpp]'``, which builds llama.cpp from source: minutes); not
+An optional extra (kangaroo's ``[llama-cpp]`` extra, ``pip install llama-cpp-python``, which builds llama.cpp from source: minutes); not
 installed by ``make test``. It runs greedy decoding on the GGUF file the bench's model was loaded from, with the same
 prompt token ids as every other method and as many threads as torch uses, and reports whether its tokens equal
 ``hf_vanilla``'s like every method (llama.cpp computes with its own activation quantization: a near-tie can differ).
@@ -31,7 +31,7 @@ class LlamaCpp(BenchMethod):
         try:
             from llama_cpp import Llama
         except ImportError:
-            raise MissingDependencyError("llama_cpp needs llama-cpp-python: pip install 'kangaroo-decoding[llama-cpp]'") from None
+            raise MissingDependencyError("llama_cpp needs llama-cpp-python: pip install llama-cpp-python (kangaroo's [llama-cpp] extra)") from None
         from kangaroo_backends.loading import gguf_source
 
         if not context.config.sampling.greedy:

@@ -27,7 +27,7 @@ from kangaroo_core.errors import KangarooError, MissingDependencyError
 from kangaroo_core.hookspecs import hookimpl
 from kangaroo_plugins.bench_methods import EngineMethod, HFGenerate, KangarooMethod, KangarooTreeMethod
 
-INSTALL_HINT = "pip install 'kangaroo-decoding[onnx]'"
+INSTALL_HINT = "pip install optimum-onnx onnxruntime (kangaroo's [optimum] extra; optimum-onnx needs transformers 4.x)"
 
 
 def _threads() -> int:

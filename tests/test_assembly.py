@@ -126,9 +126,23 @@ def test_demo_shows_kangaroo_next_to_generate_and_the_target_alone(tiny_model_di
     assert main(["demo", "--model", str(tiny_model_dir), "--questions", str(questions), "--max-new-tokens", "6",
                  "--no-progress"]) == 0
     table = capsys.readouterr().out.strip().splitlines()
-    assert table[0].startswith("| kind | generate tok/s | target alone tok/s | kangaroo tok/s |")
+    assert table[0].startswith("| kind | target alone tok/s | kangaroo tok/s | × target alone | CR |")
     assert [line.split("|")[1].strip() for line in table[2:]] == ["qa", "math_reasoning", "**overall**"]
     assert all(line.rstrip("| ").endswith("yes") for line in table[2:])
     assert main(["demo", "--model", str(tiny_model_dir), "--prompt", "Hello", "--max-new-tokens", "4",
                  "--no-progress"]) == 0
     assert "| your prompt |" in capsys.readouterr().out
+
+
+def test_the_demo_fails_when_an_answer_differs_or_a_method_fails():
+    from kangaroo_apps.demo import demo_failure
+
+    def summary(kangaroo_same: bool, error: str | None = None) -> dict:
+        same = {"identical_to_vanilla": True, "identical_to_target_alone": True}
+        mine = {"identical_to_vanilla": kangaroo_same, "identical_to_target_alone": kangaroo_same}
+        return {"methods": {"hf_vanilla": {"error": None, "overall": same}, "vanilla": {"error": None, "overall": same},
+                            "kangaroo": {"error": error, "overall": mine}}}
+
+    assert demo_failure(summary(True)) is None
+    assert "differs from the target alone" in demo_failure(summary(False))
+    assert demo_failure(summary(True, "boom")) == "a method failed: kangaroo: boom"

@@ -132,8 +132,8 @@ def test_every_combination_equals_the_torch_target_alone_on_cuda(family, dtype, 
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.skipif(not ort_cuda(), reason="onnxruntime's CUDAExecutionProvider is not available (pip install "
-                                           "'kangaroo-decoding[onnx-gpu]' on a machine with CUDA)")
+@pytest.mark.skipif(not ort_cuda(), reason="onnxruntime's CUDAExecutionProvider is not available (install "
+                                           "onnxruntime-gpu, kangaroo's [onnx-gpu] extra, on a machine with CUDA)")
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_every_combination_equals_the_onnx_target_alone_on_cuda(family, family_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("KANGAROO_CACHE_DIR", str(tmp_path / "cache"))  # the export goes here

@@ -198,7 +198,7 @@ def test_without_the_extra_the_ray_flags_say_how_to_install_it(tmp_path, prompts
     assert done.returncode == 1, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert lines == ["kangaroo: error: --ray and --replicas need the [ray] extra (ray is missing): "
-                     "pip install 'kangaroo-decoding[ray]'"], done.stderr
+                     "pip install 'ray[serve]' (kangaroo's [ray] extra)"], done.stderr
 
 
 def test_features_on_ray_equal_the_in_process_pass(ray_instance, tiny_model_dir, reference_dir, tmp_path, capsys):

@@ -41,10 +41,9 @@ def gemma(drop_from_run_cache):
 
 
 def dev_turns(count: int) -> list[str]:
-    path = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "specbench_dev.jsonl"
-    if not path.is_file():
-        pytest.skip(f"{path} not present")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    from kangaroo_data import dev_questions
+
+    rows = [json.loads(line) for line in dev_questions().read_text().splitlines() if line.strip()]
     return [row["turns"][0] for row in rows[:count]]
 
 

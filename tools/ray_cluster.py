@@ -1,6 +1,6 @@
 """Reaching Ray: a local instance started for one command, or a running cluster joined by its address.
 
-Ray is an optional extra (``pip install 'kangaroo-decoding[ray]'``): nothing below the applications imports it at
+Ray is an optional extra (kangaroo's ``[ray]`` extra, ``pip install 'ray[serve]'``): nothing below the applications imports it at
 module level, so the core, the CLI's help and every command without ``--ray`` run without it.
 
 Addresses (``--ray ADDRESS``): ``local`` (or the flag alone) starts a private instance on this machine with the CPUs
@@ -20,7 +20,7 @@ import attrs
 from kangaroo_core.errors import KangarooError, MissingDependencyError
 
 LOCAL = "local"
-INSTALL_HINT = "pip install 'kangaroo-decoding[ray]'"
+INSTALL_HINT = "pip install 'ray[serve]' (kangaroo's [ray] extra)"
 
 
 def import_ray():
