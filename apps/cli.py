@@ -808,11 +808,14 @@ def _print_corpus(summary: dict) -> None:
 @click.option("--out", "out_file", default=None, help="Also write the curve(s) as JSON here.")
 @click.option("--plot", "plot_file", default=None, help="Also plot the curve(s) to this PNG.")
 def profile(opts: EngineOptions, context, positions, repeats, compare_plain, out_file, plot_file) -> None:
-    """The backend's measured cost model: a pass over n new positions vs one, and one draft step."""
+    """The backend's measured cost model: a pass over n new positions vs one, and one draft step.
+
+    With positions 1..gamma+1 among --positions (the default's) the curve also replaces the one the cost-aware
+    policy (--policy cost) cached for this machine, backend, kernels, threads, model and drafter."""
     from tqdm import tqdm
 
     from kangaroo_apps.bench.report import plot_curves
-    from kangaroo_core.cost_model import measure_costs
+    from kangaroo_policies.cost_model import cost_key, measure_costs, save_costs
 
     sizes = _int_list(positions, "--positions")
     if not sizes or min(sizes) < 1:
@@ -844,6 +847,10 @@ def profile(opts: EngineOptions, context, positions, repeats, compare_plain, out
                                         progress=bar.update))
     for curve in curves:
         click.echo(curve.table() + "\n")
+    if engine.drafter is not None and set(range(1, opts.gamma + 2)) <= set(sizes):
+        # what the cost-aware policy reads on this machine from now on
+        saved = save_costs(curves[0], cost_key(engine.backend, engine.drafter))
+        click.echo(f"cached for the cost-aware policy: {saved}", err=True)
     if out_file:
         Path(out_file).write_text(json.dumps([c.as_dict() for c in curves], indent=2) + "\n")
     if plot_file:

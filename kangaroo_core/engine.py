@@ -122,6 +122,8 @@ class Engine:
         if drafter is not None:
             drafter.bind(backend)
         policy.bind(backend)
+        if drafter is not None:
+            policy.bind_engine(self)
         if self.tree is not None:
             self._check_tree()
             self.tree.bind(backend, policy)
@@ -284,6 +286,8 @@ class Engine:
             n = len(tokens) - 1  # position of x_n, the last committed token (not through M[:l] yet)
             budget = max_new_tokens - len(output)
             max_drafts = min(self.config.gamma, budget - 1) if drafter is not None else 0
+            if max_drafts > 0:  # 0: the target's plain step, no drafter work this round
+                max_drafts = self.policy.round_budget(max_drafts)
             if self.tree is not None and max_drafts > 0:  # a token tree instead of a chain (kangaroo_core.tree_round)
                 done = tree_round(self, tokens, unseen, min(self.tree.depth, budget - 1), budget)
                 emitted, m, drafted, unseen = done.emitted, done.accepted, done.drafted, done.unseen
@@ -330,6 +334,8 @@ class Engine:
         verified = backend.deep(torch.cat([h_last, *h_drafts]), n)  # logits [k+1, V], hidden [k+1, d]
         verdict: Verdict = self.verifier.verify(drafts, verified.logits)
         m = self._chain_length(verdict, len(drafts))
+        if drafts:
+            self.policy.end_round(drafts, m)
 
         # 4. accept: d_1..d_m + the target's token, cut at EOS and at the token budget.
         emitted = cut_at_eos([d.token for d in drafts[:m]] + [verdict.next_token], eos, budget)

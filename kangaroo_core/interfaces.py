@@ -332,8 +332,20 @@ class StoppingPolicy(abc.ABC):
     def bind(self, backend: Backend) -> None:
         """Called once when the engine is built, with the loaded backend (e.g. to check a file made for a base model)."""
 
+    def bind_engine(self, engine: Any) -> None:
+        """Called once when the engine is built, after its drafter is bound (e.g. to measure a draft step's cost)."""
+
     def prepare(self, engine: Any, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
         """Called once at the start of each generation, before any cache is reset (e.g. to compute a reference)."""
+
+    def round_budget(self, most: int) -> int:
+        """Called before every round: how many drafts it may propose, up to ``most`` (gamma, or fewer near the token
+        budget). 0 makes the round the target's plain step with no drafter work; the drafter reads the skipped
+        positions in one pass when drafting resumes."""
+        return most
+
+    def end_round(self, drafts: Sequence["DraftStep"], accepted: int) -> None:
+        """Called after every verified chain round that drafted: its drafts and how many the target accepted."""
 
     def start_round(self, tokens: Sequence[int]) -> None:
         """Called before the first draft of each round with the committed sequence (prompt + output so far).

@@ -13,7 +13,7 @@ pass). Defaults: ``value_of_token=1.0``, ``draft_cost=0.3``: MEASURED for SmolLM
 CPU with the torch backend by ``kangaroo analyze-policies`` — a draft step costs 0.11 of a one-position verify and the
 extra verified position 0.19 more (``marginal_draft_cost`` 0.30; 0.18 on onnxruntime). Other models, backends and
 machines differ: pass the ``marginal_draft_cost`` that command prints, or ``draft_cost=measured`` to have the policy
-measure it on the engine's own backend when it first runs (:func:`kangaroo_core.cost_model.measure_costs`: one
+measure it on the engine's own backend when it first runs (:func:`kangaroo_policies.cost_model.measure_costs`: one
 draft step plus one more verified position, in units of a one-position pass; about a second).
 """
 
@@ -107,7 +107,7 @@ def register_policies(register):
 
 def measured_draft_cost(backend: Backend, drafter: Any) -> float:
     """(one draft step + one more verified position) / a one-position pass, measured on ``backend`` now."""
-    from kangaroo_core.cost_model import measure_costs
+    from kangaroo_policies.cost_model import measure_costs
 
     context = max(1, min(300, backend.max_context // 2))
     curve = measure_costs(backend, drafter, context=context, positions=(1, 2), repeats=7)

@@ -2,7 +2,7 @@
 
 * ``dynamic`` — EAGLE-2: every node proposes its ``topk`` most likely tokens; at each depth the ``topk`` newest
   nodes with the highest cumulative draft probability are expanded; the ``budget`` best nodes overall are verified.
-  ``budget="auto"`` sizes it from the backend's measured verify-cost curve (:mod:`kangaroo_core.cost_model`).
+  ``budget="auto"`` sizes it from the backend's measured verify-cost curve (:mod:`kangaroo_policies.cost_model`).
 * ``chain`` — the paper's chain as a tree of width 1: one child per node, grown while the stopping policy keeps
   drafting (at most ``depth`` = gamma). Same drafts as the chain loop; the reference for the tree machinery.
 * ``fan`` — the chain plus the root's runners-up: the first position gets the drafter's ``topk`` candidates (they
@@ -39,7 +39,7 @@ def auto_budget(backend, relative_cost: float = AUTO_RELATIVE_COST, repeats: int
     """The largest node budget b <= AUTO_MAX_BUDGET (AUTO_MAX_BUDGET_CUDA on a GPU) whose verify pass (b + 1 rows
     after a 300-token context) costs at most ``relative_cost`` one-position passes on ``backend``, and the measured
     curve (median of ``repeats``)."""
-    from kangaroo_core.cost_model import measure_costs
+    from kangaroo_policies.cost_model import measure_costs
 
     cuda = getattr(getattr(backend, "device", None), "type", "cpu") == "cuda"
     sizes = list(range(1, (AUTO_MAX_BUDGET_CUDA if cuda else AUTO_MAX_BUDGET) + 2))

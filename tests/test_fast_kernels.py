@@ -13,7 +13,7 @@ from kangaroo_backends.fast_layers import SmallBatchLinear, fast_layers, grouped
 from kangaroo_backends.kv_cache import causal_mask
 from kangaroo_backends.torch_eager import TorchBackend
 from kangaroo_backends.weight_arena import place_weights
-from kangaroo_core.cost_model import measure_costs
+from kangaroo_policies.cost_model import measure_costs
 from kangaroo_apps.cli import main
 from kangaroo_core.config import ConfigError, DecodeConfig
 from kangaroo_core.engine import Engine

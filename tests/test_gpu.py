@@ -229,7 +229,7 @@ def test_clocks_are_read_after_the_device_synchronises(tiny_model_dir, monkeypat
     on the CPU, with a stand-in CUDA device and synchronize)."""
     from kangaroo_apps.cli_options import EngineOptions
     from kangaroo_core.bench_context import BenchContext
-    from kangaroo_core.cost_model import measure_costs
+    from kangaroo_policies.cost_model import measure_costs
     from kangaroo_plugins import bench_methods
 
     calls = []

@@ -11,7 +11,7 @@ from kangaroo_core.plugins import KINDS, Registry
 from plugin_fixtures import (BROKEN_ON_IMPORT, DUPLICATE_THRESHOLD, ENTROPY_POLICY, RAISES_IN_HOOK, activate,
                              install_fake_distribution)
 
-BUILTINS = {"backend": ["onnx", "torch"], "drafter": ["kangaroo", "kangaroo-hybrid"], "policy": ["adaptive", "fixed", "learned", "oracle", "threshold"], "verifier": ["greedy", "speculative"],
+BUILTINS = {"backend": ["onnx", "torch"], "drafter": ["kangaroo", "kangaroo-hybrid"], "policy": ["adaptive", "cost", "fixed", "learned", "oracle", "threshold"], "verifier": ["greedy", "speculative"],
             "bench_method": sorted(["hf_early_exit", "hf_prompt_lookup", "hf_static", "hf_vanilla", "kangaroo", "kangaroo_hybrid", "kangaroo_onnx",
                              "kangaroo_onnx_gguf", "kangaroo_onnx_gguf_int8", "kangaroo_onnx_hybrid", "kangaroo_onnx_tree", "kangaroo_tree", "llama_cpp", "ort_vanilla", "vanilla", "vanilla_onnx",
                              "vanilla_onnx_gguf", "vanilla_onnx_gguf_int8", "vanilla_onnx_gguf_int8_spin",

