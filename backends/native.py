@@ -20,13 +20,13 @@ import ctypes
 import functools
 import hashlib
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
 from importlib import resources
 from pathlib import Path
 
+from kangaroo_core.machine import cpu_identity
 from kangaroo_core.paths import cache_dir
 
 SOURCES = ("small_batch_linear.c", "small_batch_attention.c")
@@ -46,23 +46,6 @@ def target_flags(flags: tuple[str, ...]) -> tuple[str, ...]:
     if not march or march == "native":
         return tuple(flags)
     return tuple(f"-march={march}" if flag == "-march=native" else flag for flag in flags)
-
-
-@functools.cache
-def cpu_identity() -> str:
-    """What ``-march=native`` depends on: the CPU's model name and instruction-set flags (Linux ``/proc/cpuinfo``),
-    else the platform's processor string. A library built for one CPU can crash another with an illegal
-    instruction, so a cache directory shared between machines keeps one build per CPU."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    first = {}
-    for line in lines:
-        key, _, value = line.partition(":")
-        first.setdefault(key.strip(), value.strip())
-    found = [first.get(k, "") for k in ("model name", "flags", "Features", "CPU part")]  # x86, then Arm's names
-    return "|".join(found) if any(found) else f"{platform.machine()}|{platform.processor()}"
 
 
 def build_library(compiler: str, sources: dict[str, bytes], flags: tuple[str, ...], stem: str,

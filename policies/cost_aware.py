@@ -113,13 +113,17 @@ class CostAwarePolicy(StoppingPolicy):
         b = min(BINS - 1, int(confidence * BINS))
         return (self.accepted[b] + self.prior * confidence) / (self.verified[b] + self.prior)
 
+    def rate(self, k: int, expected: float) -> float:
+        """Expected tokens per unit of time of a round of k drafts that accepts ``expected`` of them on average."""
+        return (1 + expected) / (k * self.draft_ms + self.pass_cost(k + 1))
+
     def best_rate(self, drafted: int, alive: float, expected: float, p: float, horizon: int) -> float:
         """The highest expected rate over stops j in drafted+1..horizon, each later draft accepted with ``p``."""
         best = 0.0
         for j in range(drafted + 1, horizon + 1):
             alive *= p
             expected += alive
-            best = max(best, (1 + expected) / (j * self.draft_ms + self.pass_cost(j + 1)))
+            best = max(best, self.rate(j, expected))
         return best
 
     # -- the hooks ------------------------------------------------------------------------------------------------------
@@ -128,9 +132,8 @@ class CostAwarePolicy(StoppingPolicy):
         if self.first is None:  # no round verified yet: draft, and learn
             return most
         first, later = self.first, self.first if self.later is None else self.later
-        gain = max(((1 + first * sum(later ** i for i in range(j))) / (j * self.draft_ms + self.pass_cost(j + 1))
-                    for j in range(1, most + 1)))
-        if gain > 1 / self.pass_cost(1):
+        drafting = max(self.rate(1, first), self.best_rate(1, first, first, later, most))
+        if drafting > self.rate(0, 0.0):
             self.skipped = 0
             return most
         self.skipped += 1
@@ -144,8 +147,7 @@ class CostAwarePolicy(StoppingPolicy):
         self.alive *= p
         self.expected += self.alive
         i, horizon = step.index, max(self.most, step.index)
-        now = (1 + self.expected) / (i * self.draft_ms + self.pass_cost(i + 1))
-        return self.best_rate(i, self.alive, self.expected, p, horizon) > now
+        return self.best_rate(i, self.alive, self.expected, p, horizon) > self.rate(i, self.expected)
 
     def end_round(self, drafts: Sequence[DraftStep], accepted: int) -> None:
         """Calibrate on every verified draft (those up to and including the first rejected one)."""

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import platform
 import random
-import re
 import statistics
 import time
 from collections.abc import Sequence
@@ -26,6 +24,7 @@ from pathlib import Path
 import attrs
 import torch
 
+from kangaroo_core.machine import cpu_identity
 from kangaroo_core.paths import cache_dir
 
 DEFAULT_POSITIONS = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -129,25 +128,13 @@ def measure_costs(backend, drafter=None, *, context: int = 300, positions: Seque
         draft_step_ms=1000 * statistics.median(draft_times) if draft_times else None, repeats=repeats)
 
 
-def cpu_name() -> str:
-    """The CPU model and its instruction-set flags (what decides the kernels' speed), or the platform's words."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    model = re.search(r"^model name\s*:\s*(.*)$", info, re.M)
-    flags = re.search(r"^flags\s*:\s*(.*)$", info, re.M)
-    isa = " ".join(f for f in (flags.group(1).split() if flags else []) if re.match(r"avx|amx|fma|f16c", f))
-    return f"{model.group(1).strip() if model else platform.machine()} [{isa}]"
-
-
 def cost_key(backend, drafter) -> dict:
     """Everything a measured curve depends on: the machine, the backend and its kernels, dtype, threads, the model,
     its exit layer and the drafter."""
     device = str(getattr(backend, "device", "cpu"))
     if device.startswith("cuda") and torch.cuda.is_available():
         device += ": " + torch.cuda.get_device_name(torch.device(device))
-    return {"machine": cpu_name(), "device": device, "backend": backend.name, "kernels": _variant(backend),
+    return {"machine": cpu_identity(), "device": device, "backend": backend.name, "kernels": _variant(backend),
             "dtype": str(getattr(backend, "dtype", "")), "threads": torch.get_num_threads(),
             "model": str(getattr(backend, "fingerprint", backend.model_name)), "exit_layer": backend.exit_layer,
             "drafter": f"{getattr(drafter, 'name', '')}:{getattr(drafter, 'resolved_adapter', '')}"}

@@ -1,6 +1,6 @@
 """The cost-aware stopping policy: rounds with no drafts run no drafter work and the drafter catches up in one pass;
 the rule drafts nothing where a verify row cannot pay and deep where rows are free; the measured curve is cached per
-machine; greedy output is identical to the target alone alone and in a batch."""
+machine; greedy output is identical to the target alone, decoding alone and in a batch."""
 
 from __future__ import annotations
 
