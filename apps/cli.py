@@ -231,12 +231,17 @@ def parse_policy_list(text: str | None, flag: str = "--policies") -> list[tuple[
     return items
 
 
-def _policy_specs(text: str | None):
-    """``--policies`` of ``kangaroo bench``: one kangaroo column per policy."""
+def _policy_specs(text: str | None, methods: list[str]):
+    """``--policies`` of ``kangaroo bench``: one column per policy for each drafting method among ``methods`` (the
+    names ``--methods`` gave), else for ``kangaroo``."""
     from kangaroo_apps.bench.harness import MethodSpec
+    from kangaroo_core.plugins import get_registry
+    from kangaroo_plugins.bench_methods import KangarooMethod
 
-    return [MethodSpec(f"kangaroo[policy={label}]", "kangaroo", {"policy": name, "policy_options": options})
-            for label, name, options in parse_policy_list(text)]
+    registry = get_registry()
+    drafting = [m for m in methods if issubclass(registry.resolve("bench_method", m), KangarooMethod)] or ["kangaroo"]
+    return [MethodSpec(f"{method}[policy={label}]", method, {"policy": name, "policy_options": options})
+            for method in drafting for label, name, options in parse_policy_list(text)]
 
 
 @cli.command(cls=EngineCommand)
@@ -264,9 +269,9 @@ def _policy_specs(text: str | None):
 @click.option("--baseline", default="hf_vanilla", show_default=True,
               help="Method label the speedups are relative to (identity is always checked against hf_vanilla).")
 @click.option("--concurrency", default=None, metavar="N[,N...]",
-              help="Instead of the method table: the target alone and Kangaroo with N streams decoding together "
-                   "(e.g. 1,2,4,8): aggregate tok/s, per-token latency, CR, identity per stream "
-                   "(concurrency.json, concurrency.md).")
+              help="Instead of the method table: the target alone and Kangaroo (one per --policies item, if given) "
+                   "with N streams decoding together (e.g. 1,2,4,8): aggregate tok/s, per-token latency, CR, "
+                   "identity per stream (concurrency.json, concurrency.md).")
 @engine_options
 def bench(questions_file, out_dir, methods, limit_per_subtask, repeats, no_warmup, no_progress, sweep_eta, sweep_gamma,
           adapters, policies, tree_budgets, baseline, concurrency, opts: EngineOptions) -> None:
@@ -274,6 +279,7 @@ def bench(questions_file, out_dir, methods, limit_per_subtask, repeats, no_warmu
     import datetime
 
     from kangaroo_apps.bench.questions import load_questions
+    from kangaroo_core.machine import cpu_description, cpu_line
 
     out = check_out_dir(out_dir)
     questions = load_questions(questions_file, limit_per_subtask)  # a bad file: refused before anything loads
@@ -281,7 +287,7 @@ def bench(questions_file, out_dir, methods, limit_per_subtask, repeats, no_warmu
         levels = _int_list(concurrency, "--concurrency")
         if not levels or min(levels) < 1:
             raise UsageError("--concurrency takes stream counts >= 1, e.g. 1,2,4,8")
-        _bench_concurrency(opts, questions, levels, out, not no_progress)
+        _bench_concurrency(opts, questions, levels, out, not no_progress, policies)
         return
 
     import torch
@@ -294,10 +300,10 @@ def bench(questions_file, out_dir, methods, limit_per_subtask, repeats, no_warmu
     eta, gamma, max_new_tokens = opts.eta, opts.gamma, opts.max_new_tokens
     etas, gammas = _float_list(sweep_eta, "--sweep-eta"), _int_list(sweep_gamma, "--sweep-gamma")
     adapter_specs, adapter_points = _adapter_specs(adapters)
-    policy_specs = _policy_specs(policies)
     sweeping = bool(etas or gammas)
-    only_variants = methods is None and (sweeping or adapter_specs or policy_specs or tree_budgets)
+    only_variants = methods is None and (sweeping or adapters or policies or tree_budgets)
     specs = parse_methods("hf_vanilla" if only_variants else methods)
+    policy_specs = _policy_specs(policies, [] if only_variants else [s.name for s in specs])
     sweep_points = []
     if sweeping:
         for g in gammas or [gamma]:
@@ -329,6 +335,8 @@ def bench(questions_file, out_dir, methods, limit_per_subtask, repeats, no_warmu
         "repeats": repeats,
         "config": opts.summary(),
         "torch_threads": torch.get_num_threads(),
+        "cpu": cpu_line(),
+        "cpu_details": cpu_description(),
     }
     files = write_outputs(out, summary, run.subtasks, info)
     if sweep_points:
@@ -347,22 +355,27 @@ def bench(questions_file, out_dir, methods, limit_per_subtask, repeats, no_warmu
     click.echo(f"wrote {', '.join(str(f) for f in files)}")
 
 
-def _bench_concurrency(opts: EngineOptions, questions, levels, out, progress: bool) -> None:
+def _bench_concurrency(opts: EngineOptions, questions, levels, out, progress: bool, policies: str | None) -> None:
     import datetime
+
+    from kangaroo_core.machine import cpu_description, cpu_line
 
     import torch
 
     from kangaroo_apps.studies.concurrency import concurrency_table, markdown
     from kangaroo_core.engine import assemble
 
+    variants = {f"kangaroo[policy={label}]": attrs.evolve(opts, policy=name, policy_options=tuple(label.split(":")[1:]))
+                for label, name, _ in parse_policy_list(policies)} or {"kangaroo": opts}
     backend = opts.backend()
     engines = {"vanilla": assemble(opts.spec(vanilla=True), backend=backend),
-               "kangaroo": assemble(opts.spec(), backend=backend)}
+               **{label: assemble(o.spec(), backend=backend) for label, o in variants.items()}}
     prompts = [engines["vanilla"].encode(q.turns[0]) for q in questions]
     rows = concurrency_table(engines, prompts, levels, opts.max_new_tokens, progress=progress)
     info = {"command": "kangaroo " + shlex.join(_argv), "model": backend.model_name, "questions": len(prompts),
             "max_new_tokens": opts.max_new_tokens, "threads": torch.get_num_threads(), "config": opts.summary(),
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "cpu": cpu_line(), "cpu_details": cpu_description()}
     out.mkdir(parents=True, exist_ok=True)
     (out / "concurrency.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1, default=str) + "\n")
     table = markdown(rows, info)
@@ -799,7 +812,7 @@ def _print_corpus(summary: dict) -> None:
 @cli.command(cls=EngineCommand)
 @engine_options
 @click.option("--context", type=int, default=300, show_default=True, help="Tokens already in the cache.")
-@click.option("--positions", default="1,2,3,4,6,8,12,16", show_default=True,
+@click.option("--positions", default="1,2,3,4,5,6,7,8,12,16,24,32,48,64", show_default=True,
               help="Comma-separated numbers of new positions per pass.")
 @click.option("--repeats", type=int, default=15, show_default=True, help="Timings per size (the median is shown).")
 @click.option("--compare-plain", is_flag=True,
@@ -810,12 +823,13 @@ def _print_corpus(summary: dict) -> None:
 def profile(opts: EngineOptions, context, positions, repeats, compare_plain, out_file, plot_file) -> None:
     """The backend's measured cost model: a pass over n new positions vs one, and one draft step.
 
-    With positions 1..gamma+1 among --positions (the default's) the curve also replaces the one the cost-aware
-    policy (--policy cost) cached for this machine, backend, kernels, threads, model and drafter."""
+    With a drafter it also times whole rounds drafting 0..gamma tokens; with the pass sizes the cost-aware policy
+    reads among --positions (1, 2, 4, 8, 16, 32, 64 up to half the context: the default has them) the curve then
+    replaces the one that policy cached for this machine, backend, kernels, threads, model and drafter."""
     from tqdm import tqdm
 
     from kangaroo_apps.bench.report import plot_curves
-    from kangaroo_policies.cost_model import cost_key, measure_costs, save_costs
+    from kangaroo_policies.cost_model import cost_key, covers, measure_costs, save_costs
 
     sizes = _int_list(positions, "--positions")
     if not sizes or min(sizes) < 1:
@@ -844,10 +858,10 @@ def profile(opts: EngineOptions, context, positions, repeats, compare_plain, out
                   file=sys.stderr, leave=False) as bar:
             drafter = engine.drafter if backend is engine.backend else None
             curves.append(measure_costs(backend, drafter, context=context, positions=sizes, repeats=repeats,
-                                        progress=bar.update))
+                                        progress=bar.update, rounds=opts.gamma if drafter is not None else 0))
     for curve in curves:
         click.echo(curve.table() + "\n")
-    if engine.drafter is not None and set(range(1, opts.gamma + 2)) <= set(sizes):
+    if engine.drafter is not None and covers(curves[0], opts.gamma, engine.backend.max_context):
         # what the cost-aware policy reads on this machine from now on
         saved = save_costs(curves[0], cost_key(engine.backend, engine.drafter))
         click.echo(f"cached for the cost-aware policy: {saved}", err=True)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import click
 
-from kangaroo_core.config import DEFAULT_DRAFTER, DEFAULT_EXIT_LAYER, DecodeConfig, SamplingConfig
+from kangaroo_core.config import DEFAULT_DRAFTER, DEFAULT_EXIT_LAYER, DEFAULT_POLICY, DecodeConfig, SamplingConfig
 from kangaroo_core.errors import KangarooError, UsageError
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ class EngineOptions:
     max_new_tokens: int = 128
     drafter: str = DEFAULT_DRAFTER
     drafter_options: tuple = ()
-    policy: str = "threshold"
+    policy: str = DEFAULT_POLICY
     policy_options: tuple = ()
     verifier: str = "auto"
     backend_name: str = "torch"
@@ -284,17 +284,19 @@ def check_device(device: str | None) -> None:
 _SHARED = [
     click.option("--adapter", default=None, help=ADAPTER_HELP),
     click.option("--eta", type=float, default=0.6, show_default=True,
-                 help="Keep drafting while the draft's top-1 probability > eta."),
+                 help="The threshold policy's rule: keep drafting while the draft's top-1 probability > eta (the "
+                      "cost policy takes it as --policy-option eta=...)."),
     click.option("--gamma", type=int, default=6, show_default=True, help="At most this many drafts per round."),
     click.option("--max-new-tokens", type=int, default=128, show_default=True),
     click.option("--drafter", default=DEFAULT_DRAFTER, show_default=True,
                  help="Drafter plugin: kangaroo-hybrid (prompt lookup + the adapter) or kangaroo (the adapter alone)."),
     click.option("--drafter-option", "drafter_options", multiple=True, metavar="KEY=VALUE",
                  help="Option for the drafter plugin (repeatable)."),
-    click.option("--policy", default="threshold", show_default=True,
-                 help="Stopping policy plugin: threshold, fixed, adaptive, learned (the predictor shipped with the "
-                      "adapter, or --policy-option predictor=DIR) or oracle (ANALYSIS UPPER BOUND: runs the target "
-                      "alone first)."),
+    click.option("--policy", default=DEFAULT_POLICY, show_default=True,
+                 help="Stopping policy plugin: cost (drafts what this machine's measured costs pay for, 0 included), "
+                      "threshold (the paper's: while the draft's top-1 probability > eta), fixed, adaptive, learned "
+                      "(the predictor shipped with the adapter, or --policy-option predictor=DIR) or oracle (ANALYSIS "
+                      "UPPER BOUND: runs the target alone first)."),
     click.option("--policy-option", "policy_options", multiple=True, metavar="KEY=VALUE",
                  help="Option for the policy plugin (repeatable), e.g. predictor=DIR, draft_cost=0.3, pivot=0.8."),
     click.option("--verifier", default="auto", show_default=True,

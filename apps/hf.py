@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from kangaroo_core.config import DEFAULT_EXIT_LAYER, DecodeConfig, SamplingConfig
+from kangaroo_core.config import DEFAULT_EXIT_LAYER, DEFAULT_POLICY, DecodeConfig, SamplingConfig
 from kangaroo_core.errors import KangarooError
 
 #: Logits processors that are the sampling warpers Kangaroo applies itself (from generation_config's values).
@@ -64,7 +64,7 @@ def kangaroo_generate(
     kangaroo_exit_layer: int | None = None,
     kangaroo_eta: float = 0.6,
     kangaroo_gamma: int = 6,
-    kangaroo_policy: str = "threshold",
+    kangaroo_policy: str = DEFAULT_POLICY,
     kangaroo_kernels: str = "auto",
     **model_kwargs,
 ):

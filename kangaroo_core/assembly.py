@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 
-from kangaroo_core.config import (DEFAULT_DRAFTER, ConfigError, DecodeConfig, SamplingConfig,
+from kangaroo_core.config import (DEFAULT_DRAFTER, DEFAULT_POLICY, ConfigError, DecodeConfig, SamplingConfig,
                                   not_lossless_under_sampling)
 from kangaroo_core.interfaces import Backend, SelfDrafter, StoppingPolicy, TreeShaper, Verifier
 from kangaroo_core.plugins import get_registry
@@ -46,7 +46,7 @@ class EngineSpec:
     drafter: str | SelfDrafter | None = DEFAULT_DRAFTER
     drafter_options: dict[str, Any] = attrs.field(factory=dict, converter=_options)
     adapter: str | None = None
-    policy: str | StoppingPolicy = "threshold"
+    policy: str | StoppingPolicy = DEFAULT_POLICY
     policy_options: dict[str, Any] = attrs.field(factory=dict, converter=_options)
     verifier: str | Verifier = "auto"
     verifier_options: dict[str, Any] = attrs.field(factory=dict, converter=_options)

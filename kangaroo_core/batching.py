@@ -58,6 +58,11 @@ class _StreamBackend:
     def __getattr__(self, name: str):
         return getattr(self._view, name)
 
+    @property
+    def streams(self) -> int:
+        """The streams decoding in this batch now (whose passes this stream's are merged with)."""
+        return max(1, self._batch.running)
+
     def shallow(self, token_ids, start, tree=None):
         return self._batch._submit(self._stream, "shallow", (self._view, list(token_ids), start, tree))
 
@@ -184,6 +189,8 @@ class Batch:
             clone = clone.with_sampling(stream.sampling)
         else:
             clone.verifier = copy.copy(base.verifier)  # its generator is per generation: one verifier per stream
+        if clone.drafter is not None:
+            clone.policy.bind_engine(clone)  # the stream's own engine: its sampling, the batch it runs in
         return clone
 
     def _admit(self) -> None:

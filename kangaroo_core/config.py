@@ -102,6 +102,8 @@ DEFAULT_EXIT_LAYER = 2
 #: the drafter plugin when none is named: prompt lookup where the context's continuation has been accepted, the
 #: Kangaroo adapter otherwise (``kangaroo`` is the paper's drafter alone; docs/benchmarks.md has the A/B)
 DEFAULT_DRAFTER = "kangaroo-hybrid"
+#: the stopping policy engines use unless told otherwise: cost-aware (the paper's fixed eta is ``threshold``)
+DEFAULT_POLICY = "cost"
 
 
 @attrs.frozen

@@ -26,7 +26,7 @@ import attrs
 import torch
 
 from kangaroo_core.assembly import EngineSpec, build_pieces, build_verifier, check_sampling
-from kangaroo_core.config import DEFAULT_DRAFTER, DEFAULT_EXIT_LAYER, ConfigError, DecodeConfig, SamplingConfig
+from kangaroo_core.config import DEFAULT_DRAFTER, DEFAULT_EXIT_LAYER, DEFAULT_POLICY, ConfigError, DecodeConfig, SamplingConfig
 from kangaroo_core.errors import PromptError
 from kangaroo_core.interfaces import Backend, SelfDrafter, StoppingPolicy, TreeShaper, Verifier
 from kangaroo_core.results import DraftStep, Emitted, GenerationResult, RoundResult, Verdict, cut_at_eos
@@ -153,7 +153,7 @@ class Engine:
         config: DecodeConfig = DecodeConfig(),
         backend: str | Backend = "torch",
         drafter: str | SelfDrafter | None = DEFAULT_DRAFTER,
-        policy: str | StoppingPolicy = "threshold",
+        policy: str | StoppingPolicy = DEFAULT_POLICY,
         verifier: str | Verifier = "auto",
         adapter: str | None = None,
         exit_layer: int | None = None,

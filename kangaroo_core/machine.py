@@ -23,3 +23,49 @@ def cpu_identity() -> str:
         first.setdefault(key.strip(), value.strip())
     found = [first.get(k, "") for k in ("model name", "flags", "Features", "CPU part")]  # x86, then Arm's names
     return "|".join(found) if any(found) else f"{platform.machine()}|{platform.processor()}"
+
+
+#: the instruction-set extensions the kernels choose between, named in a bench's results
+KERNEL_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16",
+                "amx_tile", "asimd", "asimddp", "sve")
+
+
+def cpu_description() -> dict[str, str]:
+    """The CPU a measurement ran on, for results files: model name, family/model/stepping, the kernel-relevant flags,
+    the count of logical CPUs, and ``KANGAROO_ISA`` when it caps the 4-bit kernels below what the CPU has."""
+    import os
+
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    first: dict[str, str] = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        first.setdefault(key.strip(), value.strip())
+    flags = set((first.get("flags") or first.get("Features") or "").split())
+    out = {"model": first.get("model name") or platform.processor() or platform.machine(),
+           "family_model_stepping": "/".join(first.get(k, "?") for k in ("cpu family", "model", "stepping")),
+           "kernel_flags": " ".join(f for f in KERNEL_FLAGS if f in flags),
+           "logical_cpus": str(os.cpu_count())}
+    if forced_paths():
+        out["forced_isa"] = forced_paths()
+    return out
+
+
+def forced_paths() -> str:
+    """The kernel paths capped below what the CPU has (``KANGAROO_ISA``, ``KANGAROO_MARCH``), e.g. to run an
+    AVX2-only CPU's paths on an AVX-512 one; empty when none is."""
+    import os
+
+    caps = [f"{name}={os.environ[name]}" for name in ("KANGAROO_ISA", "KANGAROO_MARCH")
+            if os.environ.get(name, "auto") not in ("", "auto", "native")]
+    return " ".join(caps)
+
+
+def cpu_line(description: dict[str, str] | None = None) -> str:
+    """One line of :func:`cpu_description` for a report."""
+    d = description or cpu_description()
+    forced = f" · {d['forced_isa']}" if "forced_isa" in d else ""
+    return (f"{d['model']} (family/model/stepping {d['family_model_stepping']}, {d['logical_cpus']} logical CPUs; "
+            f"{d['kernel_flags'] or 'no listed SIMD flags'}){forced}")

@@ -1,18 +1,28 @@
 """Cost-aware stopping: per round, draft the number of tokens that maximises expected tokens per second.
 
-A round that drafts k tokens costs ``k · c + t(k + 1)`` — k draft steps and one pass over k + 1 positions, both
-measured on this engine's backend, machine, kernels and threads (:func:`~kangaroo_policies.cost_model.cached_costs`:
-seconds once, then cached) — and yields ``1 + E_k`` tokens, ``E_k = Σ_{j≤k} p_1 · … · p_j`` where ``p_i`` is the
+A round that drafts k tokens costs ``R(k)``: measured whole, as the engine runs it, on this engine's backend,
+machine, kernels and threads (:func:`~kangaroo_policies.cost_model.cached_costs`: seconds once, then cached) — k + 1
+one-position shallow passes, k drafter steps, one deep pass over k + 1 positions, and whatever the drafter's kernels
+cost the target's (caches, thread pools) — or, given as numbers, ``k · c + t(k + 1)``. It yields ``1 + E_k`` tokens, ``E_k = Σ_{j≤k} p_1 · … · p_j`` where ``p_i`` is the
 probability that draft i is accepted once the drafts before it are. So its rate is::
 
-    rate(k) = (1 + E_k) / (k · c + t(k + 1)),        rate(0) = 1 / t(1)   (the target's plain step)
+    rate(k) = (1 + E_k) / R(k),        rate(0) = 1 / R(0)   (the target's plain step)
+
+In a batch of s streams (greedy decoding; a sampled stream decides as alone, so that its seed reproduces it whatever
+shares its passes) the verify pass is merged: a stream's drafts add their rows to the others' (counted as one
+row each), so its rate is ``(s + E_k) / (R(k) + t(s + k) − t(k + 1))`` against ``s / (R(0) + t(s) − t(1))``: the
+more streams share a pass, the more a row is worth as a plain step of another stream, and drafting turns itself
+down where its extra tokens per extra millisecond no longer beat the batch's plain step.
 
 ``p_i`` is draft i's confidence (the drafter's top-1 probability) calibrated online on this generation's verdicts:
 per confidence bin, accepted / verified drafts with a prior of ``prior`` pseudo-drafts centred on the confidence.
 
 * Before a round: k = 0 — no drafter work at all — when no k ≥ 1 beats ``rate(0)`` for the acceptance that recent
-  rounds showed (an average over rounds of the first draft's and the later drafts' outcomes); while skipping, every
-  ``probe``-th round drafts anyway, so the estimate follows the text.
+  rounds showed (an average over rounds of the first draft's and the later drafts' outcomes); while skipping, a
+  probe round drafts one token after ``probe`` skipped rounds (× the streams of a batch: the others wait for its
+  draft), so the estimate follows the text; each failed probe
+  doubles that wait (up to 2 × ``probe``), a hit resumes drafting (the estimate back at ``RESUME`` at least). The
+  estimate starts at ``RESUME`` and moves by ``1 - memory`` per verified round.
 * After draft i: keep drafting while some deeper stop j > i, the later drafts taken as likely as draft i (confidence
   runs on along a round), has a higher expected rate than stopping at i.
 
@@ -34,6 +44,9 @@ from kangaroo_core.interfaces import StoppingPolicy
 from kangaroo_core.results import DraftStep
 
 BINS = 10
+#: the first draft's acceptance assumed before any round is verified, and again after a probe's hit (the text has
+#: turned predictable): the threshold rule's own assumption, a draft worth making at 0.6
+RESUME = 0.6
 
 
 def parse_costs(value: Any) -> tuple[float, tuple[float, ...]] | None:
@@ -57,15 +70,24 @@ class CostAwarePolicy(StoppingPolicy):
     gamma: int = 6
     prior: float = attrs.field(default=4.0, converter=float)
     probe: int = attrs.field(default=4, converter=int)
-    memory: float = attrs.field(default=0.8, converter=float)
+    memory: float = attrs.field(default=0.9, converter=float)
     costs: Any = "measured"
+    #: within a round, keep drafting while the draft's top-1 probability > eta (the threshold rule); None: while a
+    #: deeper stop has a higher expected rate. The round's budget (0 included) comes from the costs either way.
+    eta: float | None = attrs.field(default=None, converter=attrs.converters.optional(float))
     draft_ms: float = attrs.field(default=0.0, init=False)
     pass_ms: tuple[float, ...] = attrs.field(default=(), init=False)
+    round_ms: tuple[float, ...] = attrs.field(default=(), init=False)
+    pass_sizes: tuple[int, ...] = attrs.field(default=(), init=False)
+    backend: Any = attrs.field(default=None, init=False, repr=False)
+    streams: int = attrs.field(default=1, init=False)
     accepted: list[int] = attrs.field(factory=lambda: [0] * BINS, init=False)
     verified: list[int] = attrs.field(factory=lambda: [0] * BINS, init=False)
     first: float | None = attrs.field(default=None, init=False)
     later: float | None = attrs.field(default=None, init=False)
     skipped: int = attrs.field(default=0, init=False)
+    interval: int = attrs.field(default=0, init=False)
+    probing: bool = attrs.field(default=False, init=False)
     most: int = attrs.field(default=0, init=False)
     alive: float = attrs.field(default=1.0, init=False)
     expected: float = attrs.field(default=0.0, init=False)
@@ -75,47 +97,78 @@ class CostAwarePolicy(StoppingPolicy):
         if self.prior <= 0 or self.probe < 1 or not 0 <= self.memory < 1:
             raise ConfigError(f"cost policy: prior must be > 0, probe >= 1 and 0 <= memory < 1, got prior={self.prior}, "
                               f"probe={self.probe}, memory={self.memory}")
+        self.interval = self.probe
         given = parse_costs(self.costs)
         if given is not None:
             self.draft_ms, self.pass_ms = given[0], given[1]
+            self.pass_sizes = tuple(range(1, len(self.pass_ms) + 1))
 
     @classmethod
     def create(cls, config: DecodeConfig, **options: Any) -> "CostAwarePolicy":
         return cls(gamma=config.gamma, **options)
 
     def bind_engine(self, engine: Any) -> None:
-        """Read this machine's cost curve for the engine's backend and drafter (measured once, then cached)."""
+        """Read this machine's cost curve for the engine's backend and drafter (measured once, then cached). A
+        batch binds each stream's copy to the stream's engine, whose backend says how many streams share a pass."""
+        # under sampling the drafts decide which random draws make the tokens: a stream decides as if alone, so
+        # that its seed reproduces it whatever shares its passes (greedy output never depends on the drafts)
+        self.backend = engine.backend if engine.config.sampling.greedy else None
         if self.pass_ms:
             return
         from kangaroo_policies.cost_model import cached_costs
 
-        curve = cached_costs(engine.backend, engine.drafter, positions=range(1, self.gamma + 2))
+        curve = cached_costs(engine.backend, engine.drafter, self.gamma)
         self.draft_ms = curve.draft_step_ms or 0.0
-        self.pass_ms = tuple(curve.verify_ms[curve.positions.index(n)] for n in range(1, self.gamma + 2))
+        self.pass_sizes, self.pass_ms = tuple(curve.positions), tuple(curve.verify_ms)
+        self.round_ms = tuple(curve.round_ms)
 
     def prepare(self, engine: Any, prompt_ids, max_new_tokens: int) -> None:
         """Every generation starts from the prior: the same prompt gets the same drafting, whatever ran before."""
         self.accepted, self.verified = [0] * BINS, [0] * BINS
         self.first = self.later = None
-        self.skipped = 0
+        self.skipped, self.interval, self.probing = 0, self.probe, False
 
     # -- the model ------------------------------------------------------------------------------------------------------
     def pass_cost(self, n: int) -> float:
-        """t(n): measured, or extended along the last measured step for n beyond the curve."""
-        t = self.pass_ms
-        if n <= len(t):
-            return t[n - 1]
-        step = t[-1] - t[-2] if len(t) > 1 else t[-1]
-        return t[-1] + (n - len(t)) * step
+        """t(n): measured, interpolated between measured sizes, or extended along the last measured step."""
+        sizes, t = self.pass_sizes, self.pass_ms
+        for i, size in enumerate(sizes):
+            if n <= size:
+                if n == size or i == 0:
+                    return t[i]
+                return t[i - 1] + (t[i] - t[i - 1]) * (n - sizes[i - 1]) / (size - sizes[i - 1])
+        if len(t) == 1:
+            return t[0] * n / sizes[0]
+        return t[-1] + (n - sizes[-1]) * (t[-1] - t[-2]) / (sizes[-1] - sizes[-2])
 
     def probability(self, confidence: float) -> float:
         """P(accepted | the drafts before it were): the confidence, calibrated on this generation's verdicts."""
         b = min(BINS - 1, int(confidence * BINS))
         return (self.accepted[b] + self.prior * confidence) / (self.verified[b] + self.prior)
 
+    def round_cost(self, k: int, streams: int = 1) -> float:
+        """What a round of k drafts costs: measured whole (``round_ms``) where it was, else k draft steps + t(k + 1)
+        (beyond the measured rounds: the last measured one plus that model's increments). In a batch the verify
+        pass also holds the other streams' rows (one each, as if they drafted nothing): t(streams + k) instead of
+        t(k + 1)."""
+        model = k * self.draft_ms + self.pass_cost(k + 1)
+        r = self.round_ms
+        if k < len(r):
+            alone = r[k]
+        elif r:
+            last = len(r) - 1
+            alone = r[last] + model - (last * self.draft_ms + self.pass_cost(last + 1))
+        else:
+            alone = model
+        if streams > 1:
+            return alone + self.pass_cost(streams + k) - self.pass_cost(k + 1)
+        return alone
+
     def rate(self, k: int, expected: float) -> float:
-        """Expected tokens per unit of time of a round of k drafts that accepts ``expected`` of them on average."""
-        return (1 + expected) / (k * self.draft_ms + self.pass_cost(k + 1))
+        """Expected tokens per unit of time of a round of k drafts that accepts ``expected`` of them on average —
+        the whole pass's tokens (every other stream's one token each) when the stream decodes in a batch: drafting
+        pays when its extra tokens per extra time beat the batch's plain step."""
+        return (self.streams + expected) / self.round_cost(k, self.streams)
 
     def best_rate(self, drafted: int, alive: float, expected: float, p: float, horizon: int) -> float:
         """The highest expected rate over stops j in drafted+1..horizon, each later draft accepted with ``p``."""
@@ -129,15 +182,18 @@ class CostAwarePolicy(StoppingPolicy):
     # -- the hooks ------------------------------------------------------------------------------------------------------
     def round_budget(self, most: int) -> int:
         self.most = most
-        if self.first is None:  # no round verified yet: draft, and learn
-            return most
-        first, later = self.first, self.first if self.later is None else self.later
+        self.streams = getattr(self.backend, "streams", 1)
+        first = RESUME if self.first is None else self.first  # before any verdict: the prior
+        later = first if self.later is None else self.later
         drafting = max(self.rate(1, first), self.best_rate(1, first, first, later, most))
         if drafting > self.rate(0, 0.0):
-            self.skipped = 0
+            self.skipped, self.interval = 0, self.probe
             return most
         self.skipped += 1
-        return most if self.skipped % self.probe == 0 else 0
+        if self.skipped < self.interval * self.streams:  # in a batch a probe makes every stream wait for its draft
+            return 0
+        self.skipped, self.probing = 0, True
+        return 1  # a probe: one draft tells whether the text has turned predictable
 
     def begin_round(self) -> None:
         self.alive, self.expected = 1.0, 0.0
@@ -146,6 +202,8 @@ class CostAwarePolicy(StoppingPolicy):
         p = self.probability(step.confidence)
         self.alive *= p
         self.expected += self.alive
+        if self.eta is not None:
+            return step.confidence > self.eta
         i, horizon = step.index, max(self.most, step.index)
         return self.best_rate(i, self.alive, self.expected, p, horizon) > self.rate(i, self.expected)
 
@@ -157,7 +215,12 @@ class CostAwarePolicy(StoppingPolicy):
             self.accepted[b] += i < accepted
         m = self.memory
         hit = float(accepted >= 1)
-        self.first = hit if self.first is None else m * self.first + (1 - m) * hit
+        self.first = m * (RESUME if self.first is None else self.first) + (1 - m) * hit
+        if self.probing:  # a failed probe doubles the wait before the next one (up to 2x); a hit resumes drafting
+            self.probing = False
+            self.interval = self.probe if hit else min(2 * self.interval, 2 * self.probe)
+            if hit:
+                self.first = max(self.first, RESUME)
         tried = min(len(drafts), accepted + 1) - 1  # later drafts that were verified
         if tried > 0:
             rate = (accepted - 1) / tried  # drafts 2..accepted of the verified ones

@@ -24,10 +24,17 @@ from pathlib import Path
 import attrs
 import torch
 
-from kangaroo_core.machine import cpu_identity
+from kangaroo_core.machine import cpu_identity, forced_paths
 from kangaroo_core.paths import cache_dir
 
 DEFAULT_POSITIONS = (1, 2, 3, 4, 6, 8, 12, 16)
+#: the pass sizes measured for the cost-aware policy: one stream's verify passes and a batch's merged ones (up to 8
+#: streams of up to 7 rows), interpolated between
+CURVE_POSITIONS = (1, 2, 4, 8, 16, 32, 64)
+#: names the timings per measured size of the cost-aware policy's curve (default 9)
+REPEATS_ENV = "KANGAROO_COST_REPEATS"
+#: bumped when what a cached curve holds changes: older files are measured again
+COST_VERSION = 3
 
 
 @attrs.frozen
@@ -42,6 +49,9 @@ class CostCurve:
     verify_ms: tuple[float, ...]
     draft_step_ms: float | None
     repeats: int
+    #: ``round_ms[k]``: a whole chain round that drafts k tokens, as the engine runs it (k + 1 one-position
+    #: shallow passes, k drafter steps, one deep pass over k + 1 positions); empty when not measured
+    round_ms: tuple[float, ...] = ()
 
     @property
     def relative(self) -> dict[int, float]:
@@ -58,6 +68,11 @@ class CostCurve:
         head = (f"{self.backend} (kernels: {self.kernels}), {self.threads} thread(s), {self.context}-token context, "
                 f"median of {self.repeats}")
         draft = "" if self.draft_step_ms is None else f"\ndraft step (M[:l] + drafter, one position): {self.draft_step_ms:.1f} ms"
+        if self.round_ms:
+            zero = self.round_ms[0]
+            draft += ("\n\n| drafts per round | " + " | ".join(str(k) for k in range(len(self.round_ms))) + " |\n|---|"
+                      + "---|" * len(self.round_ms) + "\n| round ms | " + " | ".join(f"{ms:.1f}" for ms in self.round_ms)
+                      + " |\n| × the target's plain step | " + " | ".join(f"{ms / zero:.2f}" for ms in self.round_ms) + " |")
         return head + "\n\n" + "\n".join(rows) + draft
 
     def as_dict(self) -> dict:
@@ -80,9 +95,35 @@ def _context_ids(backend, context: int, seed: int) -> list[int]:
     return [rng.randrange(backend.vocab_size) for _ in range(context)]
 
 
+def _time_round(backend, drafter, ids: list[int], context: int, k: int, now) -> float:
+    """One chain round at position ``context`` that drafts k tokens, timed as the engine runs it (greedy drafts)."""
+    from kangaroo_core.results import DraftStep
+
+    backend.crop(context)
+    if drafter is not None:
+        drafter.crop(context)
+    start = now()
+    h_last = backend.shallow(ids[context: context + 1], context)
+    states, unseen, sequence = [h_last], h_last, list(ids[: context + 1])
+    for i in range(k):
+        logits = drafter.advance(sequence, unseen)
+        if logits is None:
+            break
+        step = DraftStep.from_logits(logits, index=i + 1)
+        unseen = backend.shallow([step.token], len(sequence))
+        sequence.append(step.token)
+        states.append(unseen)
+    verified = backend.deep(torch.cat(states), context)
+    if drafter is not None and k and drafter.wants_deep_states:
+        drafter.observe_deep(context, verified.hidden[:1])
+    return now() - start
+
+
 def measure_costs(backend, drafter=None, *, context: int = 300, positions: Sequence[int] = DEFAULT_POSITIONS,
-                  repeats: int = 15, seed: int = 0, progress=None) -> CostCurve:
-    """Measure ``t(n)`` for every size in ``positions`` and, with a bound ``drafter``, one draft step."""
+                  repeats: int = 15, seed: int = 0, progress=None, rounds: int = 0) -> CostCurve:
+    """Measure ``t(n)`` for every size in ``positions`` and, with a bound ``drafter``, one draft step and (``rounds``
+    > 0) whole rounds drafting k = 0..rounds tokens: what a round really costs, the interference of the drafter's
+    and the target's kernels (caches, thread pools) included."""
     positions = tuple(sorted(set(int(n) for n in positions)))
     if not positions or positions[0] < 1:
         raise ValueError("positions must be positive integers")
@@ -102,7 +143,12 @@ def measure_costs(backend, drafter=None, *, context: int = 300, positions: Seque
     now = (lambda: torch.cuda.synchronize(backend.device) or time.perf_counter()) if "cuda" in str(getattr(backend, "device", "")) else time.perf_counter
     times: dict[int, list[float]] = {n: [] for n in positions}
     draft_times: list[float] = []
+    ks = list(range(rounds + 1)) if drafter is not None and rounds > 0 else []
+    round_times: dict[int, list[float]] = {k: [] for k in ks}
     for _ in range(repeats):
+        rng.shuffle(ks)
+        for k in ks:
+            round_times[k].append(_time_round(backend, drafter, ids, context, k, now))
         order = list(positions)
         rng.shuffle(order)
         for n in order:
@@ -125,7 +171,8 @@ def measure_costs(backend, drafter=None, *, context: int = 300, positions: Seque
         backend=backend.name, kernels=_variant(backend), threads=torch.get_num_threads(),
         context=context, positions=positions,
         verify_ms=tuple(1000 * statistics.median(times[n]) for n in positions),
-        draft_step_ms=1000 * statistics.median(draft_times) if draft_times else None, repeats=repeats)
+        draft_step_ms=1000 * statistics.median(draft_times) if draft_times else None, repeats=repeats,
+        round_ms=tuple(1000 * statistics.median(round_times[k]) for k in sorted(round_times)))
 
 
 def cost_key(backend, drafter) -> dict:
@@ -134,7 +181,7 @@ def cost_key(backend, drafter) -> dict:
     device = str(getattr(backend, "device", "cpu"))
     if device.startswith("cuda") and torch.cuda.is_available():
         device += ": " + torch.cuda.get_device_name(torch.device(device))
-    return {"machine": cpu_identity(), "device": device, "backend": backend.name, "kernels": _variant(backend),
+    return {"version": COST_VERSION, "machine": cpu_identity(), "forced_paths": forced_paths(), "device": device, "backend": backend.name, "kernels": _variant(backend),
             "dtype": str(getattr(backend, "dtype", "")), "threads": torch.get_num_threads(),
             "model": str(getattr(backend, "fingerprint", backend.model_name)), "exit_layer": backend.exit_layer,
             "drafter": f"{getattr(drafter, 'name', '')}:{getattr(drafter, 'resolved_adapter', '')}"}
@@ -154,25 +201,59 @@ def save_costs(curve: CostCurve, key: dict) -> Path:
     return path
 
 
-def cached_costs(backend, drafter, positions: Sequence[int], *, repeats: int = 9) -> CostCurve:
-    """This backend's curve for these positions with this drafter: from the cache when this machine measured it
-    before (``kangaroo profile`` refreshes it), else measured now (seconds) and cached."""
+def cached_costs(backend, drafter, most: int, *, repeats: int = 9) -> CostCurve:
+    """This backend's curve with this drafter — whole rounds of 0..most drafts and passes over CURVE_POSITIONS —
+    from the cache when this machine measured it before (``kangaroo profile`` refreshes it), else measured now
+    (seconds) and cached."""
     key = cost_key(backend, drafter)
     path = cost_file(key)
-    wanted = set(positions)
+    repeats = _repeats(repeats)
     try:
         stored = json.loads(path.read_text())
         if stored.get("key") == key:
-            data = stored["curve"]
-            curve = CostCurve(**{**data, "positions": tuple(data["positions"]), "verify_ms": tuple(data["verify_ms"])})
-            if wanted <= set(curve.positions) and curve.draft_step_ms is not None:
+            curve = curve_from_dict(stored["curve"])
+            if covers(curve, most, backend.max_context):
                 return curve
     except (OSError, ValueError, KeyError, TypeError):
         pass  # none yet, or unreadable: measure again
-    context = max(1, min(300, backend.max_context - max(wanted) - 2))
-    curve = measure_costs(backend, drafter, context=context, positions=sorted(wanted), repeats=repeats)
+    positions = wanted_positions(most, backend.max_context)
+    context = max(1, min(300, backend.max_context - max(positions) - 2))
+    # whole rounds (what the policy compares) with every repeat; single passes, read only to size a batch's merged
+    # pass (tens of ms each on a CPU), with fewer
+    curve = measure_costs(backend, drafter, context=context, positions=(1,), repeats=repeats, rounds=most)
+    rest = measure_costs(backend, None, context=context, positions=positions[1:], repeats=max(1, repeats // 3))
+    curve = attrs.evolve(curve, positions=curve.positions + rest.positions, verify_ms=curve.verify_ms + rest.verify_ms)
     try:
         save_costs(curve, key)
     except OSError:
         pass  # a read-only cache: measured again next time
     return curve
+
+
+def _repeats(default: int) -> int:
+    """``$KANGAROO_COST_REPEATS`` (timings per measured size: fewer for a quick run, e.g. a test suite), else
+    ``default``."""
+    import os
+
+    value = os.environ.get(REPEATS_ENV, "").strip()
+    try:
+        return max(1, int(value)) if value else default
+    except ValueError:
+        raise ValueError(f"${REPEATS_ENV} must be a whole number of timings, got {value!r}") from None
+
+
+def curve_from_dict(data: dict) -> CostCurve:
+    return CostCurve(**{**data, **{k: tuple(data.get(k, ())) for k in ("positions", "verify_ms", "round_ms")}})
+
+
+def wanted_positions(most: int, max_context: int | None = None) -> list[int]:
+    """The pass sizes the cost-aware policy reads (interpolated between them): a stream alone and the merged passes
+    of a batch — those up to half the model's context (at least 8)."""
+    room = max(8, most + 1, (max_context or 1 << 30) // 2)
+    return [n for n in CURVE_POSITIONS if n <= room]
+
+
+def covers(curve: CostCurve, most: int, max_context: int | None = None) -> bool:
+    """Whether ``curve`` has what a policy drafting at most ``most`` tokens per round reads."""
+    return (set(wanted_positions(most, max_context)) <= set(curve.positions) and curve.draft_step_ms is not None
+            and len(curve.round_ms) >= most + 1)

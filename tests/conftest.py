@@ -23,6 +23,9 @@ os.environ["KANGAROO_CACHE_DIR"] = os.environ.get("KANGAROO_TEST_CACHE_DIR") or 
 # Only a directory made for this run is ours to empty: the real models' conversions and ONNX bundles take gigabytes,
 # and a CI machine may have little disk (a run once failed with "No space left on device").
 RUN_CACHE = None if os.environ.get("KANGAROO_TEST_CACHE_DIR") else Path(os.environ["KANGAROO_CACHE_DIR"])
+# The default cost-aware policy times this machine's rounds once per model and backend when an engine is built; the
+# suite builds dozens, and checks what the policy does with a curve, not how steady the curve is: 3 timings per size.
+os.environ.setdefault("KANGAROO_COST_REPEATS", "3")
 
 
 def _drop_from_run_cache(path: Path) -> None:

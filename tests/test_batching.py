@@ -167,7 +167,9 @@ def test_bench_concurrency_writes_the_table_with_identity_per_stream(tiny_model_
     out = tmp_path / "out"
     assert main(["bench", "--concurrency", "1,3", "--questions", str(questions), "--model", str(tiny_model_dir),
                  "--max-new-tokens", "8", "--out", str(out), "--no-progress"]) == 0
-    rows = json.loads((out / "concurrency.json").read_text())["rows"]
+    saved = json.loads((out / "concurrency.json").read_text())
+    rows = saved["rows"]
+    assert saved["info"]["cpu_details"]["model"] and f"CPU: {saved['info']['cpu']}" in (out / "concurrency.md").read_text()
     assert [(r["method"], r["streams"]) for r in rows] == [("vanilla", 1), ("vanilla", 3), ("kangaroo", 1),
                                                            ("kangaroo", 3)]
     assert all(r["identical_to_alone"] == 4 and r["identical_to_target_alone"] == 4 for r in rows)

@@ -75,7 +75,9 @@ def test_engine_resolves_examples_by_name_and_stays_lossless(tiny_model_dir, dra
 def test_engine_resolves_the_backend_example_by_name_and_logs_every_pass(tiny_model_dir, tmp_path, one_torch_thread):
     config = DecodeConfig(exit_layer=2, max_new_tokens=16, gamma=4)
     log = tmp_path / "passes.jsonl"
-    engine = Engine.build(str(tiny_model_dir), config=config, backend="pass-log", backend_options={"log": str(log)})
+    # the threshold policy: the default cost-aware one times the backend's passes when the engine is built
+    engine = Engine.build(str(tiny_model_dir), config=config, backend="pass-log", backend_options={"log": str(log)},
+                          policy="threshold")
     assert type(engine.backend).__name__ == "PassLogBackend"
     result = engine.generate_ids(engine.encode(PROMPT))
     reference = Engine.build(str(tiny_model_dir), config=config, backend="torch").generate_ids(engine.encode(PROMPT))

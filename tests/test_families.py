@@ -118,9 +118,10 @@ def test_torch_target_and_kangaroo_are_token_identical_to_transformers(family, k
     for seed in (0, 1):
         m = model(family, seed)
         b = backend(m, kernels=kernels)
+        # the threshold policy at eta 0: every round drafts gamma, so the untrained drafters' drafts are verified
         engines = [Engine.build(backend=b, drafter=None),
-                   Engine.build(backend=b, config=DecodeConfig(exit_layer=2, eta=0.0, gamma=4)),
-                   Engine.build(backend=b, config=DecodeConfig(exit_layer=2, eta=0.0, gamma=3),
+                   Engine.build(backend=b, config=DecodeConfig(exit_layer=2, eta=0.0, gamma=4), policy="threshold"),
+                   Engine.build(backend=b, config=DecodeConfig(exit_layer=2, eta=0.0, gamma=3), policy="threshold",
                                 drafter=KangarooDrafter(adapter=save_adapter(tmp_path, m, "deep-context")))]
         for prompt in PROMPTS:
             want = hf_greedy(m, prompt, NEW_TOKENS)
@@ -183,8 +184,9 @@ def test_onnx_export_and_kangaroo_on_it_are_token_identical(family, tmp_path, on
     for kind in ("attention", "deep-context"):
         path = save_adapter(tmp_path, m, kind)
         config = DecodeConfig(exit_layer=2, eta=0.0, gamma=4)
-        on_onnx = Engine.build(backend=onnx, config=config, drafter=KangarooDrafter(adapter=path))
-        on_torch = Engine.build(backend=eager, config=config, drafter=KangarooDrafter(adapter=path))
+        # the threshold policy: the same drafting on both backends (the cost-aware one follows each one's costs)
+        on_onnx = Engine.build(backend=onnx, config=config, drafter=KangarooDrafter(adapter=path), policy="threshold")
+        on_torch = Engine.build(backend=eager, config=config, drafter=KangarooDrafter(adapter=path), policy="threshold")
         for prompt in PROMPTS:
             got, want = on_onnx.generate_ids(prompt, NEW_TOKENS), on_torch.generate_ids(prompt, NEW_TOKENS)
             assert got.token_ids == want.token_ids == hf_greedy(m, prompt, NEW_TOKENS), (family, kind)

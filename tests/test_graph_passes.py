@@ -129,9 +129,9 @@ def test_captured_kangaroo_is_token_identical_to_the_target_alone(case):
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_captured_kangaroo_accepts_drafts_and_stays_identical_in_float64(family):
-    """Power: drafts are accepted and verified on this path (eta 0, the untrained adapter)."""
+    """Power: drafts are accepted and verified on this path (the threshold policy at eta 0, the untrained adapter)."""
     eager_alone, _, captured = models(family, torch.float64)
-    engine = Engine.build(backend=captured, config=DecodeConfig(exit_layer=2, eta=0.0, gamma=5))
+    engine = Engine.build(backend=captured, config=DecodeConfig(exit_layer=2, eta=0.0, gamma=5), policy="threshold")
     for seed in range(3):
         prompt = [random.Random(seed).randrange(1, 64) for _ in range(9)]
         result = engine.generate_ids(prompt, 40)

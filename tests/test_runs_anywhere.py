@@ -122,7 +122,7 @@ REFUSALS = [
     (lambda f: ["generate", "hi", "--backend", "onnx", "--onnx-dir", str(f["missing"].parent / "nonexistent")],
      "does not exist"),
     (lambda f: ["generate", "hi", "--policy", "nope"], "unknown policy 'nope'; known policy plugins:"),
-    (lambda f: ["generate", "hi", "--policy-option", "foo=1"], "policy 'threshold': unknown option(s) foo"),
+    (lambda f: ["generate", "hi", "--policy-option", "foo=1"], "policy 'cost': unknown option(s) foo"),
     (lambda f: ["generate", "hi", "--drafter", "kangaroo", "--drafter-option", "bogus=2"],
      "drafter 'kangaroo': unknown option(s) bogus"),
     (lambda f: ["demo", "--questions", str(f["missing"])], "questions file not found"),

@@ -50,7 +50,7 @@ def results_markdown(summary: dict[str, Any], subtasks: list[str], info: dict[st
     lines = ["# kangaroo bench results", ""]
     lines.append(f"- command: `{info.get('command', '')}`")
     for key in ("date", "model", "questions", "questions_per_subtask", "max_new_tokens", "repeats", "config",
-                "torch_threads"):
+                "torch_threads", "cpu"):
         if key in info:
             lines.append(f"- {key.replace('_', ' ')}: {info[key]}")
     lines += ["", f"## Speedup vs `{_baseline(summary)}` (Spec-Bench leaderboard layout)", ""]

@@ -73,7 +73,7 @@ def concurrency_table(engines: dict[str, Any], prompts: Sequence[list[int]], lev
 
 def markdown(rows: Sequence[dict[str, Any]], info: dict[str, Any]) -> str:
     lines = [f"# Concurrency: {info['model']}, {info['questions']} questions, {info['max_new_tokens']} new tokens, "
-             f"{info['threads']} threads", "",
+             f"{info['threads']} threads", "", *([f"CPU: {info['cpu']}", ""] if info.get("cpu") else []),
              "| method | streams | aggregate tok/s | × 1 stream | latency ms/token (median) | × 1 stream | CR | "
              "streams per pass | × target alone (same streams) | identical to alone |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]

@@ -25,9 +25,11 @@ def model_dir(kangaroo_tiny_model, tmp_path_factory):
 
 
 def generate(model_dir, capsys, *flags):
-    """`kangaroo generate --json` on the tiny model: (exit code, the JSON result or None, stderr)."""
+    """`kangaroo generate --json` on the tiny model: (exit code, the JSON result or None, stderr). The threshold
+    policy: the default cost-aware one times this backend's passes when the engine is built, which the log would
+    hold too."""
     code = main(["generate", PROMPT, "--model", str(model_dir), "--exit-layer", "1", "--max-new-tokens", "16",
-                 "--no-chat", "--json", *flags])
+                 "--no-chat", "--json", "--policy", "threshold", *flags])
     out, err = capsys.readouterr()
     return code, json.loads(out) if code == 0 else None, err
 
