@@ -85,8 +85,9 @@ def smoke(tiny_model_dir, tmp_path_factory, one_torch_thread):
     cache = os.environ.get("KANGAROO_CACHE_DIR")
     os.environ["KANGAROO_CACHE_DIR"] = str(root / "cache")  # the ONNX methods export into it
     try:
+        # the threshold policy at eta 0: every method drafts the same gamma per round whatever its backend costs
         code = main(["bench", "--questions", str(questions), "--out", str(out), "--model", str(tiny_model_dir),
-                     "--max-new-tokens", "8", "--gamma", "3", "--eta", "0"])
+                     "--max-new-tokens", "8", "--gamma", "3", "--eta", "0", "--policy", "threshold"])
     finally:
         plugins.unregister_plugin("third-party-bench")
         if cache is None:
