@@ -8,19 +8,26 @@ from pathlib import Path
 
 
 @functools.cache
+def _cpuinfo() -> dict[str, str]:
+    """The first CPU's fields of Linux ``/proc/cpuinfo`` (empty elsewhere)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    first: dict[str, str] = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        first.setdefault(key.strip(), value.strip())
+    return first
+
+
+@functools.cache
 def cpu_identity() -> str:
     """What ``-march=native`` depends on: the CPU's model name and instruction-set flags (Linux ``/proc/cpuinfo``),
     else the platform's processor string. A library built for one CPU can crash another with an illegal
     instruction, so a cache directory shared between machines keeps one build per CPU (and one measured cost curve:
     kernels run at different speeds on different CPUs)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    first = {}
-    for line in lines:
-        key, _, value = line.partition(":")
-        first.setdefault(key.strip(), value.strip())
+    first = _cpuinfo()
     found = [first.get(k, "") for k in ("model name", "flags", "Features", "CPU part")]  # x86, then Arm's names
     return "|".join(found) if any(found) else f"{platform.machine()}|{platform.processor()}"
 
@@ -35,14 +42,7 @@ def cpu_description() -> dict[str, str]:
     the count of logical CPUs, and ``KANGAROO_ISA`` when it caps the 4-bit kernels below what the CPU has."""
     import os
 
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    first: dict[str, str] = {}
-    for line in lines:
-        key, _, value = line.partition(":")
-        first.setdefault(key.strip(), value.strip())
+    first = _cpuinfo()
     flags = set((first.get("flags") or first.get("Features") or "").split())
     out = {"model": first.get("model name") or platform.processor() or platform.machine(),
            "family_model_stepping": "/".join(first.get(k, "?") for k in ("cpu family", "model", "stepping")),
