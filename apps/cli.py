@@ -841,7 +841,7 @@ def profile(opts: EngineOptions, context, positions, repeats, compare_plain, out
     if compare_plain:
         b = engine.backend
         if b.name == "torch":
-            from kangaroo_backends.torch_eager import TorchBackend
+            from kangaroo_backends.torch_backend import TorchBackend
 
             backends.append(TorchBackend(b.model, b.tokenizer, b.exit_layer, b.model_name, kernels="plain"))
         elif b.name == "onnx" and getattr(b, "kernel", None) == "blocks" and b.bundle is None:

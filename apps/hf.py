@@ -30,7 +30,6 @@ call.
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 

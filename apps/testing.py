@@ -104,7 +104,7 @@ class TinyTarget:
         return self.model.config.vocab_size
 
     def backend(self):
-        """A fresh :class:`~kangaroo_backends.torch_eager.TorchBackend` over :attr:`model` (empty KV cache)."""
+        """A fresh :class:`~kangaroo_backends.torch_backend.TorchBackend` over :attr:`model` (empty KV cache)."""
         from kangaroo_core.plugins import get_registry
 
         TorchBackend = get_registry().resolve("backend", "torch")

@@ -11,6 +11,12 @@ from __future__ import annotations
 import torch
 
 
+def check_start(what: str, start: int, length: int) -> None:
+    """Positions are explicit: a call must append right after what the cache holds."""
+    if start != length:
+        raise RuntimeError(f"{what}: asked to write at position {start}, but the cache holds {length} positions")
+
+
 class KVCache:
     """Keys/values for ``num_layers`` layers, shapes [1, kv_heads, capacity, head_dim]."""
 

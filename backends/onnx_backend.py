@@ -43,7 +43,8 @@ from kangaroo_backends.onnx_bundle import (BIAS_INPUTS, EXPORT_KEY, GRAPHS, MANI
                                            export_weights, graph_file, graph_io, read_manifest, rows_exact)
 from kangaroo_backends.onnx_export import export_onnx
 from kangaroo_backends.onnx_toolkit import attention_bias, import_onnxruntime
-from kangaroo_backends.torch_eager import check_start, describe_split_model
+from kangaroo_backends.kv_cache import check_start
+from kangaroo_backends.torch_backend import describe_split_model
 from kangaroo_core.config import ConfigError, DecodeConfig
 from kangaroo_core.errors import OnnxModelError, ProviderError
 from kangaroo_core.files import read_json

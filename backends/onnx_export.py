@@ -126,7 +126,7 @@ class HeadGraph(nn.Module):
 def _cases(name: str, model, exit_layer: int, seed: int = 0):
     """Random inputs and eager references (TorchBackend) for one graph: a 4-position prefill (no past), a
     3-position step after 5 cached positions, and a 3-node token tree after 5 cached positions."""
-    from kangaroo_backends.torch_eager import TorchBackend
+    from kangaroo_backends.torch_backend import TorchBackend
 
     gen = torch.Generator().manual_seed(seed)
     config = model.config
@@ -180,7 +180,7 @@ def export_onnx(model, out_dir: str | os.PathLike, *, exit_layer: int, fingerpri
         import onnx  # noqa: F401  (torch.onnx.export needs it)
     except ImportError:
         raise MissingDependencyError(f"exporting to ONNX needs the onnx package: {INSTALL_HINT}") from None
-    from kangaroo_backends.torch_eager import model_fingerprint
+    from kangaroo_backends.torch_backend import model_fingerprint
 
     out_dir = Path(out_dir)
     if out_dir.is_file() or (out_dir.exists() and any(out_dir.iterdir()) and not overwrite):

@@ -12,14 +12,17 @@ pass computes every row as that stream's own pass would (the torch backend on CP
 :mod:`kangaroo_backends.ragged`) makes its tokens identical to decoding the prompt alone, whatever shares its
 passes and whenever it joined. Greenlets, not threads: every stream's work and every pass runs on the thread that
 drives the batch, one at a time, so streams never compete for the cores and torch keeps one OpenMP team (idle
-teams of other threads slowed each pass by half, measured). Drive a batch from one thread. Policies and tree
-shapers are shallow-copied per stream: they keep per-round state in attributes they reassign.
+teams of other threads slowed each pass by half, measured). Drive a batch from one thread.
+
+Each stream's engine is made by :meth:`Engine.for_stream <kangaroo_core.engine.Engine.for_stream>`, as building an
+engine binds its pieces: a stateful policy or tree shaper decides for its own stream only. An engine that cannot
+decode several streams at once (its backend has no stream views, or its drafter cannot fork) still runs in a batch:
+one stream at a time, on the engine's own caches (:attr:`Batch.alone` says why).
 """
 
 from __future__ import annotations
 
 import collections
-import copy
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -30,7 +33,6 @@ import greenlet
 import torch
 
 from kangaroo_core.config import ConfigError, SamplingConfig
-from kangaroo_core.interfaces import SelfDrafter
 from kangaroo_core.results import Emitted, GenerationResult
 from kangaroo_core.text_pieces import TextPieces
 
@@ -138,20 +140,22 @@ class Batch:
     def __init__(self, engine, max_batch: int = 4):
         if max_batch < 1:
             raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
-        drafter = engine.drafter
-        if drafter is not None and type(drafter).fork is SelfDrafter.fork:
-            raise ConfigError(f"the '{drafter.name or type(drafter).__name__}' drafter cannot decode several streams "
-                              "at once (it has no fork())")
-        self.engine, self.max_batch = engine, max_batch
+        self.engine = engine
         self._lock = threading.Lock()  # guards the line (submit may come from other threads)
         self._line: collections.deque[Stream] = collections.deque()
         self._running: dict[Stream, greenlet.greenlet] = {}
         self._ready: list[Stream] = []  # streams to resume (new ones, and those whose pass has run)
         self._pending: list[tuple[Stream, _Request]] = []
-        try:  # stream views (KV slots) of finished streams, reused; the first one made now, to refuse early
-            self._views: list = [engine.backend.stream_view()]
+        #: why this engine's streams take turns on its own caches (None: they decode together)
+        self.alone: str | None = None
+        self._views: list = []  # stream views (KV slots) of finished streams, reused
+        try:  # the first view made now, so that an engine that cannot fork is known before any stream runs
+            self._views.append(engine.backend.stream_view())
+            if engine.drafter is not None:
+                engine.drafter.fork(self._views[0])
         except NotImplementedError as exc:
-            raise ConfigError(str(exc)) from None
+            self.alone, self._views = str(exc) or type(exc).__name__, [engine.backend]
+        self.max_batch = 1 if self.alone else max_batch
         self._hub: greenlet.greenlet | None = None
         self.passes = self.streams_per_pass = 0
         self.sizes: list[int] = []
@@ -160,10 +164,13 @@ class Batch:
     def submit(self, prompt, *, chat: bool = True, max_new_tokens: int | None = None,
                sampling: SamplingConfig | None = None, on_tokens: Callable[[Emitted], None] | None = None,
                key: Any = None) -> Stream:
-        """Queue a prompt (text, chat messages, or token ids as a list of ints); returns its :class:`Stream`."""
+        """Queue a prompt (text, chat messages, or token ids as a list of ints); returns its :class:`Stream`.
+        A prompt that does not fit, or sampling settings the engine refuses, raise here."""
         ids = list(prompt) if _is_ids(prompt) else self.engine.encode(prompt, chat=chat)
-        budget = self.engine._budget(max_new_tokens)
-        self.engine._check_fits(len(ids), budget)
+        budget = self.engine.token_budget(max_new_tokens)
+        self.engine.check_fits(len(ids), budget)
+        if sampling is not None:
+            self.engine.with_sampling(sampling)  # settings its engine would refuse are refused here, in one line
         stream = Stream(self, ids, budget, sampling, on_tokens, key)
         with self._lock:
             self._line.append(stream)
@@ -179,19 +186,12 @@ class Batch:
         return len(self._running)
 
     def _engine_for(self, stream: Stream, view):
+        """The stream's engine, on ``view`` behind a wrapper that hands its passes to the batch."""
         base = self.engine
-        clone = copy.copy(base)
-        clone.backend = _StreamBackend(view, self, stream)
-        clone.drafter = None if base.drafter is None else base.drafter.fork(view)
-        clone.policy = copy.copy(base.policy)
-        clone.tree = copy.copy(base.tree)
-        if stream.sampling is not None and stream.sampling != base.config.sampling:
-            clone = clone.with_sampling(stream.sampling)
-        else:
-            clone.verifier = copy.copy(base.verifier)  # its generator is per generation: one verifier per stream
-        if clone.drafter is not None:
-            clone.policy.bind_engine(clone)  # the stream's own engine: its sampling, the batch it runs in
-        return clone
+        drafter = None
+        if base.drafter is not None:  # taking turns on the engine's own caches: its own drafter
+            drafter = base.drafter if self.alone else base.drafter.fork(view)
+        return base.for_stream(_StreamBackend(view, self, stream), stream.sampling, drafter=drafter)
 
     def _admit(self) -> None:
         """Start queued streams while there is room."""
@@ -279,11 +279,6 @@ class Batch:
         self.passes += 1
         self.streams_per_pass += len(requests)
         self.sizes.append(len(requests))
-
-    def run(self) -> None:
-        """Step until every submitted stream has finished."""
-        while self.step():
-            pass
 
 
 def _is_ids(prompt) -> bool:

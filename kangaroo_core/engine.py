@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Generator, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -33,6 +33,9 @@ from kangaroo_core.results import DraftStep, Emitted, GenerationResult, RoundRes
 from kangaroo_core.sampling import draw, make_generator, target_probs
 from kangaroo_core.text_pieces import TextPieces
 from kangaroo_core.tree_round import tree_round
+
+if TYPE_CHECKING:
+    from kangaroo_core.batching import Batch
 
 Prompt = str | Sequence[dict[str, str]]
 
@@ -98,6 +101,7 @@ class Engine:
         engine = Engine(backend, KangarooDrafter(), ThresholdPolicy(eta=0.6), GreedyVerifier(), DecodeConfig())
 
     ``drafter=None`` gives the target alone (one token per pass, the reference for losslessness and speed).
+    ``drafter_bound=True``: the drafter is bound to ``backend`` already (:meth:`for_stream`'s forks).
     """
 
     def __init__(
@@ -109,6 +113,8 @@ class Engine:
         config: DecodeConfig = DecodeConfig(),
         tree: TreeShaper | None = None,
         spec: EngineSpec | None = None,
+        *,
+        drafter_bound: bool = False,
     ):
         if backend.exit_layer != config.exit_layer:
             raise ConfigError(f"exit_layer: backend is split at layer {backend.exit_layer} but config.exit_layer={config.exit_layer}")
@@ -119,7 +125,7 @@ class Engine:
         #: the description this engine was assembled from (None for an engine made of objects by hand)
         self.spec = spec
         self.tree = tree if drafter is not None else None
-        if drafter is not None:
+        if drafter is not None and not drafter_bound:  # a fork (for_stream) is bound to its stream's cache already
             drafter.bind(backend)
         policy.bind(backend)
         if drafter is not None:
@@ -178,30 +184,49 @@ class Engine:
                                    policy_options=policy_options, verifier_options=verifier_options, tree=tree,
                                    tree_options=tree_options))
 
-    def with_sampling(self, sampling: SamplingConfig) -> "Engine":
-        """This engine's loaded pieces (backend, drafter, policy: nothing is reloaded) decoding with ``sampling``.
+    def for_stream(self, view: Backend, sampling: SamplingConfig | None = None, *,
+                   drafter: SelfDrafter | None = None) -> "Engine":
+        """An engine for one more stream of this engine's pieces, bound as building an engine binds them (nothing is
+        reloaded): how :class:`~kangaroo_core.batching.Batch` makes each stream's engine.
 
-        For per-request sampling settings (``kangaroo serve``, ``model.generate``). A verifier named in the spec is
-        built again for ``sampling`` (it holds the target's processing), "auto" choosing greedy or speculative by
-        the new temperature. The copy shares every cache with this engine: decode with one of them at a time.
+        ``view`` is where the stream decodes: a :meth:`Backend.stream_view` of this engine's backend (a KV cache of
+        its own; a batch passes a wrapper that merges its passes with other streams'), or this engine's backend
+        itself. ``drafter`` is the stream's drafter, bound to ``view``'s cache already (default: this engine's
+        drafter forked onto ``view``). The policy and the tree shaper are fresh shallow copies bound to the new
+        engine, so a stateful policy decides for its own stream only; the verifier is built again for ``sampling``
+        (default: this engine's) when the spec names it, else copied (its random generator is per generation).
         """
-        config = self.config.replace(sampling=sampling)
-        clone = copy.copy(self)
-        clone.config = config
+        config = self.config if sampling is None else self.config.replace(sampling=sampling)
+        if drafter is None and self.drafter is not None:
+            drafter = self.drafter.fork(view)
+        return Engine(view, drafter, copy.copy(self.policy), self._verifier_for(config.sampling), config,
+                      tree=copy.copy(self.tree), spec=self.spec, drafter_bound=True)
+
+    def with_sampling(self, sampling: SamplingConfig) -> "Engine":
+        """This engine's loaded pieces (backend, drafter: nothing is reloaded) decoding with ``sampling``.
+
+        For per-request sampling settings (``model.generate``). A verifier named in the spec is built again for
+        ``sampling`` (it holds the target's processing), "auto" choosing greedy or speculative by the new
+        temperature. The copy shares the backend's and the drafter's caches with this engine: decode with one of
+        them at a time.
+        """
+        return self.for_stream(self.backend, sampling, drafter=self.drafter)
+
+    def _verifier_for(self, sampling: SamplingConfig) -> Verifier:
         if self.spec is not None and isinstance(self.spec.verifier, str):
-            clone.verifier = build_verifier(self.spec, config)
-        elif getattr(self.verifier, "sampling", sampling) != sampling:  # an object holding other processing
+            return build_verifier(self.spec, self.config.replace(sampling=sampling))
+        if getattr(self.verifier, "sampling", sampling) != sampling:  # an object holding other processing
             raise ConfigError("this engine's verifier object was built for other sampling settings; build the engine "
                               "with the verifier by name to change sampling per generation")
-        check_sampling(clone.verifier, sampling)
-        return clone
+        return copy.copy(self.verifier)  # its random generator is per generation: one verifier per stream
 
     # -- prompts ---------------------------------------------------------------------------------------------------
     def encode(self, prompt: Prompt, *, chat: bool = True) -> list[int]:
         """Token ids of a prompt: a user message (chat template applied), a list of chat messages, or raw text."""
         return encode_prompt(self.backend.tokenizer, prompt, chat=chat)
 
-    def _check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        """Refuse (:class:`PromptError`, one line) an empty prompt or one whose new tokens would not fit the context."""
         if prompt_len == 0:
             raise PromptError("the prompt is empty")
         limit = self.backend.max_context
@@ -220,14 +245,14 @@ class Engine:
 
     def generate_ids(self, prompt_ids: Sequence[int], max_new_tokens: int | None = None) -> GenerationResult:
         """Decode from prompt token ids (no template)."""
-        stream = TextStream(self, list(prompt_ids), self._budget(max_new_tokens))
+        stream = TextStream(self, list(prompt_ids), self.token_budget(max_new_tokens))
         for _ in stream:
             pass
         return stream.result
 
     def stream(self, prompt: Prompt, *, chat: bool = True, max_new_tokens: int | None = None) -> "TextStream":
         """Iterate over text pieces as they are accepted; ``.result`` holds the :class:`GenerationResult` after."""
-        return TextStream(self, self.encode(prompt, chat=chat), self._budget(max_new_tokens))
+        return TextStream(self, self.encode(prompt, chat=chat), self.token_budget(max_new_tokens))
 
     def batch(self, max_batch: int = 4) -> "Batch":
         """Decode many prompts together (continuous batching, each stream lossless as if alone): see
@@ -241,7 +266,8 @@ class Engine:
         ``max_new_tokens``, ``sampling``)."""
         return self.batch(max_batch).generate(prompts, **options)
 
-    def _budget(self, max_new_tokens: int | None) -> int:
+    def token_budget(self, max_new_tokens: int | None) -> int:
+        """New tokens a generation may make: ``max_new_tokens`` (checked like the config's), default the config's."""
         if max_new_tokens is None:
             return self.config.max_new_tokens
         return self.config.replace(max_new_tokens=max_new_tokens).max_new_tokens  # validated like the config
@@ -254,8 +280,8 @@ class Engine:
         ``seconds`` counts the engine's own work only: the clock stops at every ``yield`` and restarts when the
         consumer asks for more, so a slow consumer (printing, a network client) never shows up as decoding time.
         """
-        self._budget(max_new_tokens)
-        self._check_fits(len(prompt_ids), max_new_tokens)
+        self.token_budget(max_new_tokens)
+        self.check_fits(len(prompt_ids), max_new_tokens)
         backend, drafter = self.backend, self.drafter
         eos = backend.eos_token_ids
         if drafter is not None:  # not timed: e.g. the oracle's reference run of the target alone
@@ -282,8 +308,7 @@ class Engine:
         rounds: list[RoundResult] = []
 
         while output[-1] not in eos and len(output) < max_new_tokens:
-            tokens = list(prompt_ids) + output
-            n = len(tokens) - 1  # position of x_n, the last committed token (not through M[:l] yet)
+            tokens = list(prompt_ids) + output  # tokens[-1] is x_n, the last committed token (not through M[:l] yet)
             budget = max_new_tokens - len(output)
             max_drafts = min(self.config.gamma, budget - 1) if drafter is not None else 0
             if max_drafts > 0:  # 0: the target's plain step, no drafter work this round

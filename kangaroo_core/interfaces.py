@@ -317,7 +317,10 @@ class StoppingPolicy(abc.ABC):
     only decides to stop earlier. The draft that made the policy stop is still verified.
 
     Per-round state: reset it in :meth:`begin_round` (or :meth:`start_round` when the position matters); both are
-    called before the first draft of every round.
+    called before the first draft of every round. Each stream of a batch (and each :meth:`Engine.with_sampling
+    <kangaroo_core.engine.Engine.with_sampling>` copy) gets a shallow copy of the policy, bound again (:meth:`bind`,
+    :meth:`bind_engine`): keep mutable state in attributes those methods, :meth:`prepare` or the round hooks
+    reassign, never in a container shared with the original.
     """
 
     name: str = ""
@@ -411,7 +414,8 @@ class TreeShaper(abc.ABC):
         return cls(**options)
 
     def bind(self, backend: Backend, policy: StoppingPolicy) -> None:
-        """Called once when the engine is built (e.g. to size the tree from the backend's measured cost curve)."""
+        """Called when an engine is built with this shaper, ``policy`` that engine's (each stream of a batch binds
+        its own shallow copy to its own policy), e.g. to size the tree from the backend's measured cost curve."""
 
     def start_round(self, tokens: Sequence[int], policy: StoppingPolicy) -> None:
         """Called before each round with the committed sequence."""

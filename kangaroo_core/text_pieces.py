@@ -20,8 +20,11 @@ class TextPieces:
         piece, self.text = text[len(self.text):], text
         return piece
 
-    def finish(self, final_text: str) -> str:
-        """What the generation's final text adds to the pieces given so far."""
+    def finish(self, final_text: str | None = None) -> str:
+        """What the generation's final text (default: every token's text, an unfinished last character too) adds
+        to the pieces given so far."""
+        if final_text is None:
+            final_text = self._tokenizer.decode(self._tokens, skip_special_tokens=True)
         tail = final_text[len(self.text):] if final_text.startswith(self.text) else ""
         self.text += tail
         return tail

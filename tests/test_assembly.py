@@ -69,7 +69,9 @@ def test_each_piece_is_built_once_for_the_settled_layer(tiny_model_dir, shipped_
         engine = assemble(spec)
         assert CountingPolicy.made == [1] and engine.spec is spec
         sampled = engine.with_sampling(engine.config.sampling.replace(temperature=0.7, seed=3))
-        assert sampled.verifier.name == "speculative" and sampled.policy is engine.policy and CountingPolicy.made == [1]
+        # the policy is copied (its own per-generation state), never built again
+        assert sampled.verifier.name == "speculative" and CountingPolicy.made == [1]
+        assert type(sampled.policy) is CountingPolicy and sampled.policy is not engine.policy
     finally:
         unregister_plugin("counting-plugin")
 

@@ -8,7 +8,6 @@ target alone, Kangaroo chains, token trees and sampling with seeds. The merged p
 
 from __future__ import annotations
 
-import copy
 import random
 
 import pytest
@@ -17,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kangaroo_apps.testing import TINY_FAMILIES, TinyTokenizer, tiny_model
-from kangaroo_backends.torch_eager import TorchBackend
+from kangaroo_backends.torch_backend import TorchBackend
 from kangaroo_core.batching import Cancelled
 from kangaroo_core.config import DecodeConfig, SamplingConfig
 from kangaroo_core.engine import Engine
@@ -176,20 +175,54 @@ def test_bench_concurrency_writes_the_table_with_identity_per_stream(tiny_model_
     assert rows[1]["streams_per_pass"] > 1.5 and "| kangaroo | 3 |" in (out / "concurrency.md").read_text()
 
 
-def test_a_backend_or_drafter_that_cannot_batch_is_refused_in_one_line():
+def test_an_engine_that_cannot_fork_decodes_its_streams_one_at_a_time():
+    """A drafter without fork() or a backend without stream views: a batch still runs it, its streams taking turns
+    on the engine's own caches, each exactly as alone."""
     from kangaroo_apps.testing import ScriptedDrafter
     from kangaroo_core.config import ConfigError
 
     alone, _, _ = engines("llama")
     with pytest.raises(ConfigError, match="max_batch must be >= 1"):
         alone.batch(0)
-    scripted = Engine(alone.backend, ScriptedDrafter([1, 2, 3], 64), alone.policy, alone.verifier, alone.config)
-    with pytest.raises(ConfigError, match="drafter cannot decode several streams at once"):
-        scripted.batch(2)
-    view_less = copy.copy(alone)
-    view_less.backend = _NoViews(alone.backend)
-    with pytest.raises(ConfigError, match="cannot decode several streams at once"):
-        view_less.batch(2)
+    prompts = [[random.Random(s).randrange(1, 64) for _ in range(4 + s)] for s in range(3)]
+    reference = prompts[0] + alone.generate_ids(prompts[0], 16).token_ids
+    scripted = Engine(alone.backend, ScriptedDrafter(reference, 64, wrong_at={len(prompts[0]) + 3}), alone.policy,
+                      alone.verifier, alone.config)
+    view_less = Engine(_NoViews(alone.backend), None, alone.policy, alone.verifier, alone.config)
+    for engine, why in ((scripted, "drafter cannot decode several streams at once"),
+                        (view_less, "backend cannot decode several streams at once")):
+        batch = engine.batch(3)
+        assert why in batch.alone and batch.max_batch == 1
+        results = batch.generate(prompts, max_new_tokens=16)
+        assert [r.token_ids for r in results] == [alone.generate_ids(p, 16).token_ids for p in prompts]
+        assert set(batch.sizes) == {1} and batch.passes > 3 * 16  # every pass one stream's
+    first = scripted.batch(2).generate(prompts[:1], max_new_tokens=16)[0]
+    assert any(r.accepted for r in first.rounds)  # power: the scripted drafts were drafted and accepted
+
+
+@pytest.mark.parametrize("tree", [None, "chain"])
+def test_a_stateful_policy_in_a_batch_of_3_decides_as_each_prompt_alone(tree):
+    """Each stream's policy and tree shaper are its own (Engine.for_stream): the adaptive policy's per-round eta
+    and every drafting decision (drafts and accepted drafts per round) are those of the prompt decoded alone."""
+    _, chain, _ = engines("llama")
+    engine = Engine.build(backend=chain.backend, config=chain.config, drafter="kangaroo", policy="adaptive",
+                          policy_options=ADAPTIVE, tree=tree)
+    prompts = [[random.Random(s).randrange(1, 64) for _ in range(5 + s)] for s in range(3)]
+    alone = [engine.generate_ids(p, 30) for p in prompts]
+    batched = engine.batch(3).generate(prompts, max_new_tokens=30)
+
+    def decisions(result):
+        return [(r.drafted, r.accepted) for r in result.rounds]
+
+    assert [decisions(r) for r in batched] == [decisions(r) for r in alone]
+    assert [r.token_ids for r in batched] == [r.token_ids for r in alone]
+    drafted = {r.drafted for result in alone for r in result.rounds}
+    assert {1, chain.config.gamma} <= drafted  # power: both of the policy's choices happen
+
+
+#: adaptive options under which the tiny model's first drafts fall on both sides of the pivot: a confident start
+#: drafts gamma tokens, a hesitant one a single draft
+ADAPTIVE = {"pivot": 0.13, "eta_confident": 0.0, "eta_unsure": 1.0}
 
 
 class _NoViews:

@@ -214,7 +214,7 @@ def test_second_turn_follows_the_reference_answer(smoke):
 
 def test_sweeps_and_adapter_comparison_write_json_and_png(tiny_model_dir, tmp_path, one_torch_thread):
     from kangaroo_backends.loading import load_model
-    from kangaroo_backends.torch_eager import model_fingerprint
+    from kangaroo_backends.torch_backend import model_fingerprint
     from kangaroo_plugins.kangaroo.adapter import KangarooAdapter
 
     model, _, _ = load_model(str(tiny_model_dir))

@@ -108,7 +108,7 @@ def test_export_onnx_accepts_device_cpu(tmp_path, tiny_model_dir, capsys):
 # -- the code follows the model's dtype (float64 here; the device the same way) ----------------------------------------
 @pytest.fixture(scope="module")
 def float64_backend(tmp_path_factory):
-    from kangaroo_backends.torch_eager import TorchBackend
+    from kangaroo_backends.torch_backend import TorchBackend
     from kangaroo_core.config import DecodeConfig
 
     directory = save_tiny_model(tmp_path_factory.mktemp("float64-model"), layers=3, hidden=32, dtype=torch.float64)

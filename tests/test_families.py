@@ -18,7 +18,7 @@ from kangaroo_backends.families import (FAMILIES, UnsupportedArchitectureError, 
                                         rotary_embeddings, sliding_window)
 from kangaroo_backends.gguf_tokenizer import spm_bpe_merges
 from kangaroo_backends.hf_compat import rope_theta
-from kangaroo_backends.torch_eager import TorchBackend, model_fingerprint
+from kangaroo_backends.torch_backend import TorchBackend, model_fingerprint
 from kangaroo_core.config import DecodeConfig
 from kangaroo_core.engine import Engine, encode_prompt, plain_prompt
 from kangaroo_core.errors import AdapterMismatchError, ModelLoadError

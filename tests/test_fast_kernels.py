@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from kangaroo_backends import native
 from kangaroo_backends.fast_layers import SmallBatchLinear, fast_layers, grouped_sdpa, kernel_attention
 from kangaroo_backends.kv_cache import causal_mask
-from kangaroo_backends.torch_eager import TorchBackend
+from kangaroo_backends.torch_backend import TorchBackend
 from kangaroo_backends.weight_arena import place_weights
 from kangaroo_policies.cost_model import measure_costs
 from kangaroo_apps.cli import main

@@ -21,7 +21,7 @@ from kangaroo_apps.testing import TINY_FAMILIES, TinyTokenizer, tiny_model
 from kangaroo_backends.devices import resolve_device
 from kangaroo_backends.graph_passes import MAX_WIDTH, StaticKVCache, padded_mask, width_for
 from kangaroo_backends.kv_cache import KVCache, causal_mask
-from kangaroo_backends.torch_eager import TorchBackend
+from kangaroo_backends.torch_backend import TorchBackend
 from kangaroo_core.config import ConfigError, DecodeConfig
 from kangaroo_core.engine import Engine
 from kangaroo_plugins.kangaroo.adapter import KangarooAdapter
@@ -183,7 +183,7 @@ def test_every_tensor_of_drafter_runner_and_caches_follows_the_backend(graphs, d
         drafter = "kangaroo-hybrid"
     else:
         network = DeepContextAdapter if drafter_kind == "deep-context" else KangarooAdapter
-        from kangaroo_backends.torch_eager import model_fingerprint
+        from kangaroo_backends.torch_backend import model_fingerprint
 
         directory = tmp_path / drafter_kind
         perturbed(network.from_base_layer(m, 2, ffn=True)).save(directory, base_fingerprint=model_fingerprint(m),

@@ -175,7 +175,7 @@ def test_batch_and_padding_are_refused(tiny):
 
 
 def test_an_adapter_made_for_another_model_is_refused(tiny, tmp_path):
-    from kangaroo_backends.torch_eager import model_fingerprint
+    from kangaroo_backends.torch_backend import model_fingerprint
     from kangaroo_plugins.kangaroo.adapter import KangarooAdapter
 
     other = tiny_llama(11, vocab=64)

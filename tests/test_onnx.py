@@ -97,7 +97,7 @@ def test_a_float32_verify_pass_reproduces_one_position_passes_bit_for_bit(bundle
 # -- export ---------------------------------------------------------------------------------------------------------
 @needs_ort
 def test_export_writes_a_validated_manifest(bundles):
-    from kangaroo_backends.torch_eager import model_fingerprint
+    from kangaroo_backends.torch_backend import model_fingerprint
 
     directory = bundles(1, 1)
     manifest = json.loads((directory / "manifest.json").read_text())
@@ -335,7 +335,7 @@ def test_onnx_loop_is_token_identical_to_eager_and_transformers(bundles, seed, e
 @needs_ort
 @pytest.mark.parametrize("variant", ["plain", "draft_vocab", "ffn"])
 def test_trained_adapter_is_exported_with_the_backend_and_drafts_the_same(tmp_path, one_torch_thread, variant):
-    from kangaroo_backends.torch_eager import model_fingerprint
+    from kangaroo_backends.torch_backend import model_fingerprint
 
     m, exit_layer = model(1), 1
     adapter = KangarooAdapter.from_base_layer(m, exit_layer, ffn=variant == "ffn")
@@ -610,7 +610,7 @@ def test_many_streams_on_onnx_decode_what_each_decodes_alone(bundles, tmp_path, 
     import random
 
     from kangaroo_plugins.kangaroo.deep_context import DeepContextAdapter
-    from kangaroo_backends.torch_eager import model_fingerprint
+    from kangaroo_backends.torch_backend import model_fingerprint
 
     backend = onnx_backend(0, 1, bundles(0, 1))
     directory = tmp_path / "deep"

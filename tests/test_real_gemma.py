@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kangaroo_backends.torch_eager import TorchBackend
+from kangaroo_backends.torch_backend import TorchBackend
 from kangaroo_core.config import DecodeConfig
 from kangaroo_core.engine import Engine, encode_prompt
 from kangaroo_plugins.kangaroo.drafter import KangarooDrafter

@@ -12,7 +12,7 @@ import itertools
 import pytest
 import torch
 
-from kangaroo_backends.torch_eager import TorchBackend
+from kangaroo_backends.torch_backend import TorchBackend
 from kangaroo_core.config import DecodeConfig
 from kangaroo_core.engine import Engine
 from kangaroo_plugins.greedy_verifier import GreedyVerifier
@@ -241,7 +241,7 @@ def test_token_trees_on_onnxruntime_match_the_target_alone(smollm, references):
 def test_many_streams_and_the_captured_path_on_the_real_model(smollm, references):
     """SmolLM2: 5 prompts decoding 4 at a time (target alone and Kangaroo, continuous batching, merged passes) and
     the captured path on the CPU (graphs on) are token-identical to each prompt decoded alone, eagerly."""
-    from kangaroo_backends.torch_eager import TorchBackend
+    from kangaroo_backends.torch_backend import TorchBackend
     from kangaroo_core.config import DecodeConfig
     from kangaroo_core.engine import Engine
 

@@ -112,7 +112,7 @@ def test_first_tokens_follow_the_target_distribution(model, kind, sampled_drafti
     if kind == "sampled drafts":
         outcomes, accepted, drafted = sampled_drafting_outcomes
     elif kind == "sampled drafts, draft vocabulary":  # q is zero outside {0, 2, 4}: the residual must supply 1, 3
-        from kangaroo_backends.torch_eager import model_fingerprint
+        from kangaroo_backends.torch_backend import model_fingerprint
         from kangaroo_plugins.kangaroo.adapter import KangarooAdapter
 
         adapter = KangarooAdapter.from_base_layer(model, 1)

@@ -2,7 +2,7 @@
 a Retry-After that reflects the queue, the live page after a failed run, and the latency / batch histograms.
 
 The real server runs on the tiny model of :mod:`test_serve` (its fixtures are reused, not duplicated); the queue
-estimate is checked on the engine worker with a fake engine whose requests take a known time.
+estimate is checked on the engine worker with a tiny engine whose requests take a known time.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import math
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
+import attrs
 import httpx
 import openai
 import pytest
@@ -24,7 +24,8 @@ from kangaroo_apps.serve.metrics import ServerMetrics
 from kangaroo_apps.serve.protocol import ApiError
 from kangaroo_apps.serve.worker import EngineWorker, Job
 
-from test_serve import CHROMIUM, client, launch_chromium, engine, metric, server  # noqa: F401  (module fixtures, reused)
+from kangaroo_policies.threshold import ThresholdPolicy
+from test_serve import CHROMIUM, build_engine, client, launch_chromium, engine, metric, server  # noqa: F401  (module fixtures, reused)
 
 
 @pytest.fixture
@@ -132,28 +133,25 @@ def test_retry_after_grows_with_the_queue():
     assert metrics.retry_after(0) == "1"  # at least one second, whatever the estimate
 
 
-class FakeEmitted(list):
-    from_drafts = 0
-    drafted = 0
+@attrs.define
+class GatedPolicy(ThresholdPolicy):
+    """Each generation waits on ``gate`` (when it is cleared), then takes ``seconds`` before its first pass."""
 
+    seconds: float = 0.0
+    gate: threading.Event = attrs.field(factory=threading.Event)
 
-class FakeEngine:
-    """One token per request after ``seconds``; a request waits on ``gate`` first when it is cleared."""
-
-    def __init__(self, seconds: float):
-        self.seconds, self.gate = seconds, threading.Event()
+    def __attrs_post_init__(self):
         self.gate.set()
-        tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: "x" * len(ids))
-        self.backend = SimpleNamespace(tokenizer=tokenizer)
 
-    def with_sampling(self, _sampling):
-        return self
-
-    def decode(self, _ids, _n):
+    def prepare(self, engine, prompt_ids, max_new_tokens):
         self.gate.wait(30)
         time.sleep(self.seconds)
-        yield FakeEmitted([1])
-        return SimpleNamespace(stopped_on_eos=True)
+
+
+def gated_engine(model_dir, seconds: float):
+    """A tiny engine whose requests take a known time; its policy's ``gate`` holds them."""
+    engine = build_engine(model_dir, policy=GatedPolicy(seconds=seconds), max_new_tokens=4)
+    return engine, engine.policy.gate
 
 
 def job(loop) -> Job:
@@ -161,10 +159,10 @@ def job(loop) -> Job:
 
 
 def fill(worker: EngineWorker, loop, waiting: int) -> None:
-    """One request running (blocked on the fake engine's gate), ``waiting`` more queued behind it."""
+    """One request running (held by the engine policy's gate), ``waiting`` more queued behind it."""
     worker.submit(job(loop))
     deadline = time.monotonic() + 10
-    while worker.running is None or worker.queue.qsize():
+    while not worker.active or worker.queue.qsize():
         assert time.monotonic() < deadline
         time.sleep(0.01)
     for _ in range(waiting):
@@ -177,14 +175,14 @@ def refusal(worker: EngineWorker, loop) -> ApiError:
     return info.value
 
 
-def test_a_full_queue_answers_an_estimate_measured_by_the_worker():
+def test_a_full_queue_answers_an_estimate_measured_by_the_worker(tiny_model_dir):
     """Requests of ~0.6 s: a refusal behind 2 requests says 2 s, behind 4 says 3 s (not 1 s for all)."""
     import asyncio
 
     answers = {}
     for queue_size in (1, 3):
         loop = asyncio.new_event_loop()  # never run: the jobs' events just pile up
-        engine, metrics = FakeEngine(seconds=0.6), ServerMetrics(gamma=2)
+        (engine, gate), metrics = gated_engine(tiny_model_dir, 0.6), ServerMetrics(gamma=2)
         worker = EngineWorker(engine, metrics, queue_size=queue_size)
         worker.start()
         try:
@@ -195,25 +193,25 @@ def test_a_full_queue_answers_an_estimate_measured_by_the_worker():
                 time.sleep(0.02)
             mean = metrics.mean_service_seconds
             assert 0.55 <= mean < 2.0
-            engine.gate.clear()  # the next one blocks the engine: the queue fills behind it
+            gate.clear()  # the next one blocks the engine: the queue fills behind it
             fill(worker, loop, queue_size)
             refused = refusal(worker, loop)
             assert refused.status == 429 and refused.code == "queue_full"
             assert refused.headers["Retry-After"] == str(math.ceil((queue_size + 1) * mean))
             answers[queue_size] = int(refused.headers["Retry-After"])
         finally:
-            engine.gate.set()
+            gate.set()
             worker.stop()
             loop.close()
     assert 1 < answers[1] < answers[3]
 
 
-def test_before_any_request_finished_the_running_one_stands_in_for_the_mean():
+def test_before_any_request_finished_the_running_one_stands_in_for_the_mean(tiny_model_dir):
     import asyncio
 
     loop = asyncio.new_event_loop()
-    engine, metrics = FakeEngine(seconds=0.0), ServerMetrics(gamma=2)
-    engine.gate.clear()
+    (engine, gate), metrics = gated_engine(tiny_model_dir, 0.0), ServerMetrics(gamma=2)
+    gate.clear()
     worker = EngineWorker(engine, metrics, queue_size=4)
     worker.start()
     try:
@@ -222,7 +220,7 @@ def test_before_any_request_finished_the_running_one_stands_in_for_the_mean():
         assert metrics.mean_service_seconds is None
         assert int(refusal(worker, loop).headers["Retry-After"]) >= 5  # 4 waiting x 1.2 s
     finally:
-        engine.gate.set()
+        gate.set()
         worker.stop()
         loop.close()
 
@@ -237,15 +235,18 @@ def test_latency_and_batch_histograms(server, client):
               else 0.0 for name in HISTOGRAMS}
     chunks = list(client.chat.completions.create(model=server.model, max_tokens=12, stream=True,
                                                  messages=[{"role": "user", "content": "why is the sky blue"}]))
-    passes = chunks[-1].model_extra["kangaroo"]["verify_passes"]
+    stats = chunks[-1].model_extra["kangaroo"]
+    passes = stats["verify_passes"]
     text = httpx.get(server.url + "/metrics").text
     for name in HISTOGRAMS:
         assert f"# TYPE {name} histogram" in text
         assert f'{name}_bucket{{le="+Inf"}}' in text and f"{name}_sum" in text
     for name in HISTOGRAMS[:3]:  # once per request
         assert metric(server, name + "_count") == before[name] + 1
-    # the batch size: once per pass (the prefill and every verify pass), always 1 request until batching
-    assert metric(server, "kangaroo_batch_size_count") == before["kangaroo_batch_size"] + passes + 1
+    # the batch size: once per pass of the model, always 1 request with --max-batch 1: the prefill's two passes, then
+    # per round one M[:l] pass for x_n, one per draft, and the verify pass of M[l:]
+    observed = metric(server, "kangaroo_batch_size_count") - before["kangaroo_batch_size"]
+    assert observed == 2 + 2 * passes + stats["drafted"]
     assert metric(server, "kangaroo_batch_size_bucket", '{le="1.0"}') == metric(server, "kangaroo_batch_size_count")
     assert metric(server, "kangaroo_time_to_first_token_seconds_sum") > 0
     for name in ("kangaroo_requests_total", "kangaroo_request_seconds_bucket", "kangaroo_compression_rate",

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import save_tiny_model
-from kangaroo_backends.torch_eager import TorchBackend
+from kangaroo_backends.torch_backend import TorchBackend
 from kangaroo_core.config import DecodeConfig
 from kangaroo_core.engine import Engine
 from kangaroo_core.errors import AdapterMismatchError, KangarooError

@@ -217,7 +217,7 @@ def test_siblings_are_accepted_and_trees_beat_the_chain_with_the_same_drafter():
 def save_adapter(model, adapter_type: str, directory, exit_layer: int = 2) -> None:
     """An adapter of ``adapter_type`` for ``model`` saved in ``directory`` (a deep-context one with non-zero fusions,
     so the deep states really enter its keys and queries)."""
-    from kangaroo_backends.torch_eager import model_fingerprint
+    from kangaroo_backends.torch_backend import model_fingerprint
     from kangaroo_plugins.kangaroo.networks import adapter_class
 
     adapter = adapter_class(adapter_type).from_base_layer(model, exit_layer)
@@ -328,7 +328,7 @@ def test_refusals():
     sampling = SamplingConfig(temperature=1.0, sample_drafts=True)
     with pytest.raises(ConfigError, match="draft-sampling"):
         make_engine(backend, OracleTreeDrafter([1], 32), DynamicTree(budget=4), sampling=sampling)
-    from kangaroo_backends.torch_eager import TorchBackend
+    from kangaroo_backends.torch_backend import TorchBackend
 
     class ChainBackend(TorchBackend):  # a backend that verifies chains only
         supports_trees = False

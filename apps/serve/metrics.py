@@ -14,18 +14,18 @@ Names (counters end in ``_total``)::
                                                  = position w / verify passes
     kangaroo_cancelled_total                     generations stopped because their client went away
     kangaroo_compression_rate                    CR over all rounds so far: round tokens / verify passes
-    kangaroo_tokens_per_second                   engine tokens/s of the last finished generation
+    kangaroo_tokens_per_second                   engine tokens/s of the last finished generation (new tokens / seconds
+                                                 from its first pass to its last round, shared passes included)
     kangaroo_queue_depth                         requests waiting + those running
     kangaroo_running_requests                    requests decoding now (at most --max-batch)
     kangaroo_request_seconds                     histogram of request wall time (HTTP side), by endpoint
     kangaroo_time_to_first_token_seconds         histogram: queued → the first token generated (queue wait + prefill)
     kangaroo_queue_wait_seconds                  histogram: queued → the engine takes the request
     kangaroo_request_tokens_per_second           histogram: engine tokens/s of each finished generation
-    kangaroo_batch_size                          histogram: requests decoded together, one observation per pass: with
-                                                 --max-batch 1 per round of the one request (the prefill and every
-                                                 verify pass, always 1); batched, per merged pass of the batch (drafting
-                                                 M[:l] or verify M[l:]: the streams it held)
-    kangaroo_batch_passes_total                  passes observed by kangaroo_batch_size (merged passes when batched)
+    kangaroo_batch_size                          histogram: requests decoded together, one observation per pass of the
+                                                 model (M[:l] while drafting, M[l:] to verify, a prefill's two): the
+                                                 streams it held (always 1 with --max-batch 1)
+    kangaroo_batch_passes_total                  passes observed by kangaroo_batch_size
     kangaroo_batch_stream_passes_total           stream passes those passes held (the rows of the merged passes)
     kangaroo_streams_per_pass                    stream passes / passes over all passes so far (1.0 unbatched)
 
@@ -137,14 +137,14 @@ class ServerMetrics:
     def first_token(self, seconds_since_queued: float) -> None:
         self.time_to_first_token.observe(seconds_since_queued)
 
-    def request_started(self, seconds_queued: float, key=None) -> None:
+    def request_started(self, seconds_queued: float, key) -> None:
         """The engine took a request off the queue (after waiting ``seconds_queued``); its service clock starts.
         ``key`` tells requests running at once apart (the same key to :meth:`request_done`)."""
         self.queue_wait.observe(seconds_queued)
         self._began[key] = time.perf_counter()
         self.running.set(len(self._began))
 
-    def request_done(self, key=None) -> None:
+    def request_done(self, key) -> None:
         """A running request is done (finished, failed or cancelled): its service time enters the mean."""
         began = self._began.pop(key, None)
         self.running.set(len(self._began))

@@ -102,17 +102,15 @@ class _Unused:
 class RelayMetrics:
     """The :class:`~kangaroo_apps.serve.metrics.ServerMetrics` hooks the worker calls, recorded for the front.
 
-    A request is named in the calls by the front's own key for it (:meth:`name`); the unbatched worker calls
-    ``request_started`` / ``request_done`` without a key, so the job it is running stands in."""
+    A request is named in the calls by the front's own key for it (:meth:`name`); the worker passes each job as
+    ``key`` to ``request_started`` / ``request_done``."""
 
     def __init__(self):
         self.replica = uuid.uuid4().hex[:8]
-        self.worker: EngineWorker | None = None
         self.cancelled = _Counted(self, "cancelled")
         self.queue_depth = _Unused()
         self._calls: list[tuple] = []
         self._lock = threading.Lock()
-        self._current = None  # unbatched: the job whose request_started came last
         self._started: set[int] = set()  # ids of jobs started and not yet done
         self._names: dict[int, str] = {}  # the front's key of each job, by id
 
@@ -151,19 +149,16 @@ class RelayMetrics:
     def key(self, job) -> str:
         return self._names.get(id(job)) or f"{self.replica}:{id(job)}"
 
-    def request_started(self, seconds_queued: float, key=None) -> None:
-        job = key if key is not None else (self.worker.running if self.worker is not None else None)
-        self._current = job
+    def request_started(self, seconds_queued: float, key) -> None:
         with self._lock:
-            self._started.add(id(job))
-            self._calls.append(("request_started", (seconds_queued, self.key(job))))
+            self._started.add(id(key))
+            self._calls.append(("request_started", (seconds_queued, self.key(key))))
 
-    def request_done(self, key=None) -> None:
-        job = key if key is not None else self._current
+    def request_done(self, key) -> None:
         with self._lock:
-            self._started.discard(id(job))
-            self._calls.append(("request_done", (self.key(job),)))
-            self._names.pop(id(job), None)
+            self._started.discard(id(key))
+            self._calls.append(("request_done", (self.key(key),)))
+            self._names.pop(id(key), None)
 
     def retry_after(self, depth: int, parallel: int = 1) -> str:
         return "1"  # the front admits no more than the replicas take; its own refusals carry its own estimate
@@ -186,7 +181,6 @@ class EngineReplica:
         self.engine.generate("Hello", max_new_tokens=4)  # warm-up before the first client, as `kangaroo serve` does
         self.relay = RelayMetrics()
         self.worker = EngineWorker(self.engine, self.relay, queue_size=queue_size, max_batch=max_batch)
-        self.relay.worker = self.worker
         self.worker.start()
 
     def describe(self) -> EngineFacts:

@@ -1,15 +1,16 @@
-"""One engine, one thread, a bounded queue: requests are taken in arrival order and decoded one at a time, or up to
-``max_batch`` together (``kangaroo serve --max-batch N``).
+"""One engine, one thread, a bounded queue: requests are taken in arrival order and decoded up to ``max_batch``
+together (``kangaroo serve --max-batch N``; 1: one at a time).
 
 The HTTP side (asyncio) never touches the engine: it puts a :class:`Job` on the queue (a full queue is refused at
 once) and reads the job's events — :class:`Delta` per verify round, then :class:`Finished` or :class:`Failed` —
 which the worker thread hands over with ``loop.call_soon_threadsafe``. A job whose client went away is cancelled:
-the worker stops it between two rounds (or skips it if it has not started).
+the worker stops it between two passes (or skips it if it has not started).
 
-With ``max_batch > 1`` the worker thread drives a :class:`~kangaroo_core.batching.Batch` of the engine: it takes
-jobs off the queue while fewer than ``max_batch`` decode (the queue bound counts waiting jobs only), each a stream
-with its own sampling settings, and runs the batch's merged passes. Each stream decodes exactly what its prompt
-decodes alone, and its rounds become the same events as unbatched (stream threads call :meth:`EngineWorker._round`).
+One path serves every request: the worker thread drives a :class:`~kangaroo_core.batching.Batch` of the engine,
+taking jobs off the queue while fewer than ``max_batch`` decode (the queue bound counts waiting jobs only), each a
+stream with its own sampling settings, and runs the batch's passes. Each stream decodes exactly what its prompt
+decodes alone; its rounds become events in :meth:`EngineWorker._round`. An engine that cannot decode several
+streams at once is a batch whose streams take turns.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from collections.abc import Sequence
 
 import attrs
 
-from kangaroo_core.batching import Cancelled
+from kangaroo_core.batching import Batch, Cancelled
 from kangaroo_core.config import SamplingConfig
 from kangaroo_core.errors import KangarooError
+from kangaroo_core.text_pieces import TextPieces
 from kangaroo_apps.serve.metrics import ServerMetrics
 from kangaroo_apps.serve.protocol import ApiError
 
@@ -86,8 +88,8 @@ class TextAssembler:
     """
 
     def __init__(self, tokenizer, stops: Sequence[str]):
-        self.tokenizer, self.stops = tokenizer, [s for s in stops if s]
-        self.tokens: list[int] = []
+        self.stops = [s for s in stops if s]
+        self.pieces = TextPieces(tokenizer)
         self.text = ""
         self.flags: list[bool] = []  # per character of self.text: came from an accepted draft
         self.sent = 0  # characters of self.text already released
@@ -95,24 +97,19 @@ class TextAssembler:
 
     def add(self, tokens: Sequence[int], from_drafts: int) -> list[tuple[str, bool]]:
         """Feed one round's tokens (the first ``from_drafts`` are accepted drafts); return the text now final."""
-        for i, token in enumerate(tokens):
-            self.tokens.append(int(token))
-            text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-            if text.endswith("\ufffd") or not text.startswith(self.text):
-                continue  # an incomplete character: its text comes with a later token
-            self.flags.extend([i < from_drafts] * (len(text) - len(self.text)))
-            self.text = text
-        end = self._final_end()
-        return self._release(end)
+        for i, token in enumerate(tokens):  # an unfinished character's text comes with a later token
+            self.flags.extend([i < from_drafts] * len(self.pieces.add([int(token)])))
+        self.text = self.pieces.text
+        return self._release(self._final_end())
 
     def flush(self) -> list[tuple[str, bool]]:
         """The generation ended: everything not cut by a stop string is final (a last incomplete character too)."""
         if self.stopped:
             return []
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if text.startswith(self.text) and len(text) > len(self.text):
-            self.flags.extend([False] * (len(text) - len(self.text)))
-            self.text = text
+        tail = self.pieces.finish()
+        if tail:
+            self.flags.extend([False] * len(tail))
+            self.text = self.pieces.text
             end = self._final_end()  # a stop string may sit in the late characters
             if self.stopped:
                 return self._release(end)
@@ -144,18 +141,6 @@ class TextAssembler:
         return segments
 
 
-def batching_unsupported(engine) -> str | None:
-    """Why ``engine`` cannot decode several streams at once (its backend has no stream views, its drafter cannot
-    fork onto one), or None when it can. Tried on a throwaway stream view (an empty KV cache)."""
-    try:
-        view = engine.backend.stream_view()
-        if engine.drafter is not None:
-            engine.drafter.fork(view)
-    except NotImplementedError as exc:
-        return str(exc) or f"{type(exc).__name__}"
-    return None
-
-
 @attrs.define(eq=False)
 class _Running:
     """A job decoding in the batch: its stream, its text so far and its counters."""
@@ -168,20 +153,22 @@ class _Running:
 
 
 class EngineWorker:
-    """Decodes queued jobs on one thread with one engine: one at a time (``max_batch=1``) or up to ``max_batch``
-    together; ``queue_size`` jobs may wait behind the running ones."""
+    """Decodes queued jobs on one thread with one engine, up to ``max_batch`` together (a batch of one with
+    ``max_batch=1``; one at a time whatever ``max_batch`` for an engine that cannot decode several streams at
+    once); ``queue_size`` jobs may wait behind the running ones."""
 
     def __init__(self, engine, metrics: ServerMetrics, queue_size: int = 16, max_batch: int = 1):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        if max_batch > 1 and (why := batching_unsupported(engine)):
-            log.warning("kangaroo serve: decoding one request at a time (--max-batch %d ignored): %s", max_batch, why)
-            max_batch = 1
-        self.engine, self.metrics, self.max_batch = engine, metrics, max_batch
-        self.queue_size = queue_size  # jobs that may wait; batched, the queue also holds jobs bound for free slots
-        self.queue: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size + (max_batch if max_batch > 1 else 0))
-        self.running: Job | None = None  # max_batch=1: the job decoding
-        self.active: dict[Job, _Running] = {}  # max_batch>1: the jobs decoding in the batch
+        self.engine, self.metrics = engine, metrics
+        self.batch = Batch(engine, max_batch)
+        if max_batch > 1 and self.batch.alone:
+            log.warning("kangaroo serve: decoding one request at a time (--max-batch %d ignored): %s", max_batch,
+                        self.batch.alone)
+        self.max_batch = self.batch.max_batch
+        self.queue_size = queue_size  # jobs that may wait; the queue also holds jobs bound for free slots
+        self.queue: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size + self.max_batch)
+        self.active: dict[Job, _Running] = {}  # the jobs decoding in the batch
         self.stopping = False
         self.thread = threading.Thread(target=self._run, name="kangaroo-engine", daemon=True)
         metrics.queue_depth.set_function(self.depth)
@@ -192,8 +179,6 @@ class EngineWorker:
     def stop(self, timeout: float = 10.0) -> None:
         """Cancel what waits and what runs (their clients get a 503 event), and end the thread."""
         self.stopping = True  # submit refuses from now on, so the queue only shrinks
-        if self.running is not None:
-            self.running.cancel()
         for job in list(self.active):
             job.cancel()
         while True:
@@ -203,7 +188,7 @@ class EngineWorker:
                 break
             if job is not None:
                 job.cancel()
-                job.emit(Failed(ApiError(503, "the server is shutting down", type="server_error", code="shutdown")))
+                _shutting_down(job)
         self.queue.put(None, timeout=timeout)
         self.thread.join(timeout)
 
@@ -213,17 +198,17 @@ class EngineWorker:
 
     def depth(self) -> int:
         """Jobs waiting plus those running."""
-        return self.queue.qsize() + (self.running is not None) + len(self.active)
+        return self.queue.qsize() + len(self.active)
 
     def submit(self, job: Job) -> None:
         """Queue ``job``, or refuse at once with 429 when the queue is full."""
         if not self.alive or self.stopping:
             raise ApiError(503, "the engine is not running", type="server_error", code="engine_down")
         try:
-            # batched: a job queued while a slot is free is about to decode, not waiting (the engine thread takes
-            # jobs between two merged passes). Only the HTTP side's thread submits; a job the engine thread is
-            # taking at this very moment may let one more in.
-            if self.max_batch > 1 and self.queue.qsize() >= self.queue_size + self.max_batch - len(self.active):
+            # a job queued while a slot is free is about to decode, not waiting (the engine thread takes jobs
+            # between two passes). Only the HTTP side's thread submits; a job the engine thread is taking at this
+            # very moment may let one more in.
+            if self.queue.qsize() >= self.queue_size + self.max_batch - len(self.active):
                 raise queue.Full
             self.queue.put_nowait(job)
         except queue.Full:
@@ -232,73 +217,8 @@ class EngineWorker:
             raise ApiError(429, f"the server is busy: {self.queue_size} requests are already waiting; retry "
                                 "later", type="rate_limit_error", code="queue_full", headers={"Retry-After": wait}) from None
 
-    # -- the thread ------------------------------------------------------------------------------------------------
+    # -- the thread: it drives the batch; the streams report their rounds ----------------------------------------
     def _run(self) -> None:
-        if self.max_batch > 1:
-            return self._run_batched()
-        while (job := self.queue.get()) is not None:
-            if job.cancelled.is_set():
-                self.metrics.cancelled.inc()
-                continue
-            self.running = job
-            self.metrics.request_started(time.perf_counter() - job.enqueued)  # metrics hook: queue wait, service clock
-            try:
-                self._serve(job)
-            except Exception as exc:  # a bug or a runtime failure: this request fails, the server goes on
-                log.exception("generation failed")
-                job.emit(Failed(ApiError(500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error")))
-            finally:
-                self.running = None
-                self.metrics.request_done()  # metrics hook: service time → the mean behind Retry-After
-
-    def _serve(self, job: Job) -> None:
-        try:
-            engine = self.engine.with_sampling(job.sampling)
-        except KangarooError as exc:
-            job.emit(Failed(ApiError(400, str(exc))))
-            return
-        text = TextAssembler(engine.backend.tokenizer, job.stops)
-        loop = engine.decode(job.prompt_ids, job.max_new_tokens)
-        stats = {"new_tokens": 0, "verify_passes": 0, "drafted": 0, "accepted_drafts": 0, "engine_seconds": 0.0,
-                 "queue_seconds": time.perf_counter() - job.enqueued}
-        result = None
-        while True:
-            started = time.perf_counter()
-            try:
-                emitted = next(loop)
-            except StopIteration as done:
-                result = done.value
-                break
-            finally:
-                stats["engine_seconds"] += time.perf_counter() - started
-            self.metrics.observe_batch(1)  # metrics hooks: one request per pass until batching; the first token
-            if stats["new_tokens"] == 0:
-                self.metrics.first_token(time.perf_counter() - job.enqueued)
-            if job.cancelled.is_set():  # the client went away (or the server stops): stop between two rounds
-                loop.close()
-                self.metrics.cancelled.inc()
-                if self.stopping:
-                    job.emit(Failed(ApiError(503, "the server is shutting down", type="server_error",
-                                             code="shutdown")))
-                return
-            self._count(stats, emitted)
-            segments = text.add(emitted, emitted.from_drafts)
-            if segments:
-                job.emit(Delta(tuple(segments), _summary(stats)))
-            if text.stopped:
-                loop.close()
-                break
-        tail = text.flush()
-        if tail:
-            job.emit(Delta(tuple(tail), _summary(stats)))
-        finish = "stop" if text.stopped or (result is not None and result.stopped_on_eos) else "length"
-        summary = _summary(stats)
-        self.metrics.finished(len(job.prompt_ids), stats["new_tokens"], summary["tokens_per_second"])
-        job.emit(Finished(text.final_text, finish, len(job.prompt_ids), stats["new_tokens"], summary))
-
-    # -- batched: the thread drives a Batch; stream threads report rounds ----------------------------------------
-    def _run_batched(self) -> None:
-        batch = self.engine.batch(self.max_batch)
         ending = False  # the stop sentinel was taken: finish the running jobs, take no more
         while not ending or self.active:
             while not ending and len(self.active) < self.max_batch:  # block for a job only when none decodes
@@ -309,22 +229,22 @@ class EngineWorker:
                 if job is None:
                     ending = True
                 else:
-                    self._start(batch, job)
+                    self._start(job)
             if not self.active:
                 continue
-            seen = len(batch.sizes)
+            seen = len(self.batch.sizes)
             try:
-                batch.step()
+                self.batch.step()
             except Exception as exc:  # a bug in the batch: its jobs fail, the server goes on with a fresh batch
-                log.exception("a merged pass failed")
+                log.exception("a pass failed")
                 for run in list(self.active.values()):
-                    run.job.cancel()  # its stream's thread, if it still runs, sends nothing more
+                    run.job.cancel()  # its stream, if it still runs, sends nothing more
                     run.stream.cancel()
                     self._fail(run, exc)
-                batch = self.engine.batch(self.max_batch)
+                self.batch = Batch(self.engine, self.max_batch)
                 continue
-            for size in batch.sizes[seen:]:
-                self.metrics.observe_batch(size)  # metrics hook: streams in each merged pass
+            for size in self.batch.sizes[seen:]:
+                self.metrics.observe_batch(size)  # metrics hook: streams in each pass
             for run in list(self.active.values()):
                 if self.stopping:
                     run.job.cancel()
@@ -333,27 +253,25 @@ class EngineWorker:
                 if run.stream.finished.is_set():
                     self._end(run)
 
-    def _start(self, batch, job: Job) -> None:
+    def _start(self, job: Job) -> None:
         """Submit ``job`` to the batch as a stream (or skip it: cancelled, shutting down, bad sampling)."""
         if job.cancelled.is_set() or self.stopping:
             self.metrics.cancelled.inc()
             if self.stopping:
                 job.cancel()
-                job.emit(Failed(ApiError(503, "the server is shutting down", type="server_error", code="shutdown")))
+                _shutting_down(job)
             return
         self.metrics.request_started(time.perf_counter() - job.enqueued, key=job)  # metrics hook: queue wait
+        stats = {"new_tokens": 0, "verify_passes": 0, "drafted": 0, "accepted_drafts": 0, "engine_seconds": 0.0,
+                 "queue_seconds": time.perf_counter() - job.enqueued}
+        run = _Running(job, TextAssembler(self.engine.backend.tokenizer, job.stops), stats)
         try:
-            engine = self.engine.with_sampling(job.sampling)  # refused settings: a 400, as unbatched
-        except KangarooError as exc:
+            run.stream = self.batch.submit(job.prompt_ids, max_new_tokens=job.max_new_tokens, sampling=job.sampling,
+                                           on_tokens=functools.partial(self._round, run), key=id(job))
+        except KangarooError as exc:  # refused sampling settings: a 400 before any decoding
             job.emit(Failed(ApiError(400, str(exc))))
             self.metrics.request_done(key=job)
             return
-        stats = {"new_tokens": 0, "verify_passes": 0, "drafted": 0, "accepted_drafts": 0, "engine_seconds": 0.0,
-                 "queue_seconds": time.perf_counter() - job.enqueued}
-        run = _Running(job, TextAssembler(engine.backend.tokenizer, job.stops), stats)
-        try:
-            run.stream = batch.submit(job.prompt_ids, max_new_tokens=job.max_new_tokens, sampling=job.sampling,
-                                      on_tokens=functools.partial(self._round, run), key=id(job))
         except Exception as exc:
             log.exception("generation failed")
             self._fail(run, exc)
@@ -361,9 +279,9 @@ class EngineWorker:
         self.active[job] = run
 
     def _round(self, run: _Running, emitted) -> None:
-        """A stream's round (called from its thread): the same counters, metrics and events as unbatched."""
+        """A stream's round (called on the engine thread, inside the stream): counters, metrics and events."""
         job, stats = run.job, run.stats
-        stats["engine_seconds"] = time.perf_counter() - run.stream.started_at  # wall time in the batch so far
+        stats["engine_seconds"] = time.perf_counter() - run.stream.started_at
         if stats["new_tokens"] == 0:
             self.metrics.first_token(time.perf_counter() - job.enqueued)
         if job.cancelled.is_set():  # the client went away (or the server stops): stop between two rounds
@@ -394,8 +312,7 @@ class EngineWorker:
             elif isinstance(stream.error, Cancelled):
                 self.metrics.cancelled.inc()
                 if self.stopping:
-                    job.emit(Failed(ApiError(503, "the server is shutting down", type="server_error",
-                                             code="shutdown")))
+                    _shutting_down(job)
             else:
                 log.error("generation failed", exc_info=stream.error)
                 self._fail(run, stream.error, done=False)
@@ -418,8 +335,14 @@ class EngineWorker:
         self.metrics.round(len(emitted), emitted.drafted, emitted.from_drafts)
 
 
+def _shutting_down(job: Job) -> None:
+    job.emit(Failed(ApiError(503, "the server is shutting down", type="server_error", code="shutdown")))
+
+
 def _summary(stats: dict) -> dict:
-    """Kangaroo's counters for a response: CR = tokens per verify pass (the prefill's token not counted)."""
+    """Kangaroo's counters for a response: CR = tokens per verify pass (the prefill's token not counted);
+    ``engine_seconds``: from the request's first pass to its latest round (the wall time it decoded, passes shared
+    with other requests included; ``queue_seconds`` before it)."""
     passes, new = stats["verify_passes"], stats["new_tokens"]
     seconds = stats["engine_seconds"]
     return {

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from kangaroo_backends.torch_eager import TorchBackend
+from kangaroo_backends.torch_backend import TorchBackend
 from kangaroo_core import DecodeConfig
 from kangaroo_core.engine import Engine
 from kangaroo_plugins.greedy_verifier import GreedyVerifier

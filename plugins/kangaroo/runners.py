@@ -11,7 +11,7 @@ import copy
 
 import torch
 
-from kangaroo_backends.torch_eager import check_start
+from kangaroo_backends.kv_cache import check_start
 from kangaroo_core.errors import KangarooError, OnnxExportError
 from kangaroo_core.interfaces import Backend, DraftRunner
 from kangaroo_plugins.kangaroo.adapter import KangarooAdapter, adapter_key

@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 import torch
 
-from kangaroo_backends.torch_eager import TorchBackend
+from kangaroo_backends.torch_backend import TorchBackend
 from kangaroo_core.config import DecodeConfig
 from kangaroo_core.flags import Flag
 from kangaroo_core.hookspecs import hookimpl

@@ -1,14 +1,17 @@
-"""Eager PyTorch backend: a transformers decoder (any family of :mod:`kangaroo_backends.families`) split at the exit
-layer into M[:l], M[l:] and the shared head.
+"""The PyTorch backend: a transformers decoder (any family of :mod:`kangaroo_backends.families`) split at the exit
+layer into M[:l], M[l:] and the shared head, on CPU or CUDA.
 
 Both halves write into one KV cache (layer indices are global); ``shallow`` runs ahead of ``deep`` while drafting,
 ``crop`` brings both back to the accepted length. Sliding-window layers keep every key in the cache and hide the old
 ones by their mask, so ``crop`` and ``keep`` stay exact for them too.
+
+Three strategies, one module each: eager passes (here), the captured path of fixed-width graphs
+(:mod:`kangaroo_backends.torch_captured`, ``--graphs on``) and many streams' rows in one ragged pass
+(:mod:`kangaroo_backends.torch_ragged`, for :class:`~kangaroo_core.batching.Batch`).
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 from collections.abc import Sequence
@@ -18,23 +21,24 @@ import torch
 
 from kangaroo_backends.devices import resolve_dtype
 from kangaroo_backends.families import FULL, SLIDING, family_of, layer_kinds, rotary_embeddings, sliding_window
-from kangaroo_backends.fast_layers import EXACT_ROWS, fast_layers
-from kangaroo_backends.graph_passes import MAX_WIDTH, PassGraph, StaticKVCache, padded_mask, slots_like, width_for
+from kangaroo_backends.fast_layers import fast_layers
+from kangaroo_backends.graph_passes import MAX_WIDTH, StaticKVCache
 from kangaroo_backends.hf_compat import cache_keyword
-from kangaroo_backends.kv_cache import KVCache, causal_mask
+from kangaroo_backends.kv_cache import KVCache, causal_mask, check_start
 from kangaroo_backends.loading import load_model
 from kangaroo_backends.native import small_batch_attention, small_batch_kernel
-from kangaroo_backends.ragged import Ragged, RaggedCache, exact_rows
+from kangaroo_backends.torch_captured import (GRAPHS, DEFAULT_CACHE_SIZE, DEFAULT_GRAPH_ROWS, CapturedPasses,
+                                              check_graph_options)
+from kangaroo_backends.torch_ragged import RaggedPasses
 from kangaroo_backends.weight_arena import place_weights
 from kangaroo_core.config import ConfigError, DecodeConfig
 from kangaroo_core.flags import Flag
 from kangaroo_core.hookspecs import hookimpl
 from kangaroo_core.interfaces import Backend, DeepOutput
 
+__all__ = ["GRAPHS", "KERNELS", "TorchBackend", "describe_split_model", "model_fingerprint"]
+
 KERNELS = ("auto", "small-batch", "plain")
-GRAPHS = ("auto", "on", "off")
-DEFAULT_CACHE_SIZE = 2048
-DEFAULT_GRAPH_ROWS = 8
 
 
 def model_fingerprint(model) -> str:
@@ -70,12 +74,6 @@ def describe_split_model(backend: Backend, model, tokenizer, exit_layer: int, mo
     backend.eos_token_ids = frozenset([eos] if isinstance(eos, int) else list(eos or []))
 
 
-def check_start(what: str, start: int, length: int) -> None:
-    """Positions are explicit: a call must append right after what the cache holds."""
-    if start != length:
-        raise RuntimeError(f"{what}: asked to write at position {start}, but the cache holds {length} positions")
-
-
 def choose_kernel(kernels: str, dtype: torch.dtype, device: torch.device):
     """The small-batch kernel for ``kernels`` (None: plain linears); "small-batch" insists, "auto" falls back."""
     if kernels == "plain":
@@ -87,19 +85,8 @@ def choose_kernel(kernels: str, dtype: torch.dtype, device: torch.device):
     return kernel
 
 
-def check_graph_options(graphs: str, cache_size: int, graph_rows: int) -> dict:
-    """The captured path's options, checked in one line each."""
-    if graphs not in GRAPHS:
-        raise ConfigError(f"graphs must be one of {', '.join(GRAPHS)}, got {graphs!r}")
-    if not isinstance(cache_size, int) or cache_size < 2 * MAX_WIDTH:
-        raise ConfigError(f"cache_size must be an integer >= {2 * MAX_WIDTH}, got {cache_size!r}")
-    if not isinstance(graph_rows, int) or not 1 <= graph_rows <= MAX_WIDTH:
-        raise ConfigError(f"graph_rows must be an integer in [1, {MAX_WIDTH}], got {graph_rows!r}")
-    return {"graphs": graphs, "cache_size": cache_size, "graph_rows": graph_rows}
-
-
-class TorchBackend(Backend):
-    """The target model in eager PyTorch (CPU or CUDA).
+class TorchBackend(CapturedPasses, RaggedPasses, Backend):
+    """The target model in PyTorch (CPU or CUDA).
 
     ``kernels`` picks how multi-position passes run: ``"auto"`` (default) uses the backend's own view of the layers
     (:mod:`kangaroo_backends.fast_layers`: the small-batch verify kernel on CPU float32, grouped-query attention
@@ -250,22 +237,6 @@ class TorchBackend(Backend):
         out = self._deep_states(hidden, slots, position_ids, **masks)
         return self.lm_head(out), out
 
-    def _chain_fn(self, fn, kinds):
-        """``fn`` for a chain pass whose slots, positions and masks are computed from ``start`` on the device (so a
-        captured chain pass takes two small copies from the host: its rows and where they start)."""
-        def chain(x, start):
-            slots = start + torch.arange(x.shape[0], device=self.device)
-            keys = torch.arange(self.cache.capacity, device=self.device)[None]
-            causal = keys <= slots[:, None]
-            zero = torch.zeros((), dtype=self.dtype, device=self.device)
-            low = torch.full((), torch.finfo(self.dtype).min, dtype=self.dtype, device=self.device)
-            masks = {}
-            for kind in set(kinds):
-                seen = causal & (keys > slots[:, None] - self.window) if kind == SLIDING else causal
-                masks[kind] = torch.where(seen, zero, low)[None, None]
-            return fn(x, slots, slots[None], **masks)
-        return chain
-
     def _pass(self, part: str, x: torch.Tensor, start: int, tree) -> tuple[torch.Tensor, ...]:
         """Run the shallow or deep ``part`` over ``x`` (ids [n] or states [n, d]) at ``start``: eagerly, or on the
         captured path (see :mod:`kangaroo_backends.graph_passes`)."""
@@ -278,33 +249,6 @@ class TorchBackend(Backend):
         self.cache.advance(range(0, self.exit_layer) if shallow else range(self.exit_layer, self.num_layers),
                            start + x.shape[0])  # a captured update cannot count: the cache's lengths are set here
         return out
-
-    def _captured_pass(self, part: str, fn, kinds, x: torch.Tensor, start: int, tree) -> tuple[torch.Tensor, ...]:
-        """A chain pass: its rows and start copied into its width's graph; a tree pass: padded rows, positions and
-        masks; a prompt: once, eagerly, at its own length."""
-        n = x.shape[0]
-        width = width_for(n, self.graph_rows)
-        capture = self.device.type == "cuda"
-        if width is not None and tree is None:
-            key = (part, width, "chain")
-            if key not in self.pass_graphs:
-                rows = torch.zeros((width, *x.shape[1:]), dtype=x.dtype, device=self.device)
-                inputs = {"x": rows, "start": slots_like(self.device)}
-                self.pass_graphs[key] = PassGraph(self._chain_fn(fn, kinds), inputs, capture=capture)
-            return tuple(t[:n] for t in self.pass_graphs[key].run_prefix(x=x, start=torch.tensor([start])))
-        slots, position_ids, masks = self._pass_inputs(kinds, n, start, tree)
-        if width is None:
-            return fn(x, slots, position_ids, **{k: padded_mask(m, n, n, start, self.cache.capacity, self.dtype,
-                                                                self.device) for k, m in masks.items()})
-        pad = width - n
-        inputs = {"ids" if part == "shallow" else "hidden": torch.cat([x, x.new_zeros((pad, *x.shape[1:]))]),
-                  "slots": torch.cat([slots, torch.arange(start + n, start + width, device=self.device)]),
-                  "position_ids": torch.cat([position_ids[0], slots.new_zeros(pad)])[None],
-                  **{k: padded_mask(m, n, width, start, self.cache.capacity, self.dtype, self.device)
-                     for k, m in masks.items()}}
-        if (part, width) not in self.pass_graphs:
-            self.pass_graphs[part, width] = PassGraph(fn, inputs, capture=capture)
-        return tuple(t[:n] for t in self.pass_graphs[part, width].run(**inputs))
 
     @torch.inference_mode()
     def shallow(self, token_ids: Sequence[int], start: int, tree=None) -> torch.Tensor:
@@ -324,60 +268,6 @@ class TorchBackend(Backend):
         if rows is not None:
             logits = logits[torch.as_tensor(list(rows), dtype=torch.long, device=logits.device)]
         return DeepOutput(logits=logits, hidden=out)
-
-    # -- many streams: a view per stream (its own cache), their rows in one ragged pass ---------------------------
-    def stream_view(self) -> "TorchBackend":
-        view = copy.copy(self)  # layers, weights and options shared
-        view.cache, view.pass_graphs = self._new_cache(), {}
-        return view
-
-    def _ragged(self, parts) -> bool:
-        """Whether these parts run as one ragged pass: only where every row is computed alone whatever the pass
-        holds (the small-batch kernels: CPU float32), every part a chain or tree of at most 16 rows (a longer one,
-        a prompt, runs alone as its stream would run it). Elsewhere (a GPU's GEMMs may round a row differently
-        beside other rows) each stream's pass runs on its own: still continuous batching, not yet merged."""
-        return (len(parts) > 1 and self.kernels == "small-batch" and not self.use_graphs
-                and all(len(p[1]) <= EXACT_ROWS for p in parts))
-
-    def _ragged_pass(self, layers, kinds, hidden: torch.Tensor, parts) -> torch.Tensor:
-        """``hidden`` [N, d]: the rows of ``parts`` (view, rows, start, tree) end to end, through ``layers``."""
-        bounds, lo = [], 0
-        for _, rows, _, _ in parts:
-            bounds.append((lo, lo + len(rows)))
-            lo += len(rows)
-        inputs = [view._pass_inputs(kinds, len(rows), start, tree) for view, rows, start, tree in parts]
-        slots = torch.cat([i[0] for i in inputs])
-        position_ids = torch.cat([i[1] for i in inputs], dim=1)
-        masks = {kind: Ragged(tuple(bounds), tuple(i[2][kind] for i in inputs)) for kind in set(kinds)}
-        cache = RaggedCache([view.cache for view, *_ in parts], bounds)
-        with exact_rows():
-            return self._run_layers(layers, kinds, hidden[None], slots, position_ids, masks, cache)[0]
-
-    @torch.inference_mode()
-    def shallow_many(self, parts):
-        if not self._ragged(parts):
-            return super().shallow_many(parts)
-        for view, ids, start, _ in parts:
-            check_start("shallow", start, view.cache.lengths[0])
-        ids = torch.as_tensor([t for _, part_ids, _, _ in parts for t in part_ids], dtype=torch.long,
-                              device=self.device)
-        out = self._ragged_pass(self.shallow_layers, self.shallow_kinds, self.embed_tokens(ids[None])[0], parts)
-        return list(out.split([len(p[1]) for p in parts]))
-
-    @torch.inference_mode()
-    def deep_many(self, parts):
-        plain = [(view, hidden, start, tree) for view, hidden, start, _, tree in parts]
-        if not self._ragged(plain):
-            return super().deep_many(parts)
-        for view, _, start, _, _ in parts:
-            check_start("deep", start, view.cache.lengths[self.exit_layer])
-        out = self.final_norm(self._ragged_pass(self.deep_layers, self.deep_kinds,
-                                                torch.cat([p[1] for p in parts]), plain))
-        states = out.split([p[1].shape[0] for p in parts])
-        picked = [s if rows is None else s[list(rows)] for s, (_, _, _, rows, _) in zip(states, parts)]
-        with exact_rows():
-            logits = self.lm_head(torch.cat(picked)).split([p.shape[0] for p in picked])
-        return [DeepOutput(logits=lg, hidden=st) for lg, st in zip(logits, states)]
 
 
 @hookimpl
