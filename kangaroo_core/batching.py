@@ -134,7 +134,9 @@ class Batch:
     ``submit`` adds a stream (a prompt, a token budget, its own sampling settings and seed; any thread may submit);
     ``step`` runs the streams up to their next backend call and then one merged pass (drive it from one thread: a
     stream's iteration and :meth:`Stream.wait` do); ``generate`` is the blocking form. ``passes`` counts merged
-    passes, ``streams_per_pass`` the stream passes they held, ``sizes`` the streams in each.
+    passes, ``streams_per_pass`` the stream passes they held, ``sizes`` the streams in each. An engine that cannot
+    decode several streams at once (no stream views, or a drafter without fork) runs one stream at a time on its own
+    caches: :attr:`alone` says why and ``max_batch`` is 1.
     """
 
     def __init__(self, engine, max_batch: int = 4):
@@ -183,6 +185,7 @@ class Batch:
 
     @property
     def running(self) -> int:
+        """Streams decoding now (what a stream's passes are merged with: the cost policy reads it)."""
         return len(self._running)
 
     def _engine_for(self, stream: Stream, view):
