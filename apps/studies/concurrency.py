@@ -63,6 +63,7 @@ def concurrency_table(engines: dict[str, Any], prompts: Sequence[list[int]], lev
                 if "vanilla" in alone:
                     row["identical_to_target_alone"] = sum(a == b for a, b in zip(row["token_ids"], alone["vanilla"]))
                 row["questions"] = len(prompts)
+                del row["token_ids"]  # compared above; the results file keeps the counts, not every stream's ids
                 rows.append(row)
                 bar.update()
     for row in rows:
