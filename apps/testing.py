@@ -257,6 +257,24 @@ def tiny_target(seed: int = 0, *, vocab: int = 64, hidden: int = 32, layers: int
     return TinyTarget(model, exit_layer)
 
 
+def random_deep_context_adapter(model: Any, exit_layer: int, seed: int, *, draft_vocab: Sequence[int] | None = None,
+                                ffn: bool = False) -> Any:
+    """A deep-context adapter for ``model`` with random, non-zero fusions (an untrained one equals the paper's
+    adapter), in the model's dtype; ``draft_vocab`` gives it a draft head over those token ids."""
+    import torch
+
+    from kangaroo_plugins.kangaroo.deep_context import DeepContextAdapter
+
+    adapter = DeepContextAdapter.from_base_layer(model, exit_layer, ffn=ffn, draft_head=draft_vocab is not None)
+    if draft_vocab is not None:
+        adapter.set_draft_vocab(draft_vocab, model.lm_head)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in (adapter.kv_fuse, adapter.query_fuse, adapter.depth_embedding):
+            module.weight.copy_(torch.randn(module.weight.shape, generator=gen, dtype=torch.float64) * 0.3)
+    return adapter.to(next(model.parameters()).dtype)
+
+
 def hf_greedy(model: Any, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
     """``transformers``' own greedy decoding of ``prompt_ids``: the reference for losslessness."""
     import torch

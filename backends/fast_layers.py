@@ -37,6 +37,30 @@ EXACT_ROWS = 2 * MAX_ROWS
 GROUPED_ATTENTION = "kangaroo_grouped_sdpa"
 
 
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with each row computed alone by the streaming kernel where it applies: CPU
+    float32, up to :data:`EXACT_ROWS` rows (every row count under :func:`~kangaroo_backends.ragged.exact_rows`); a
+    row's result then does not depend on the rows that came with it. Called for every linear layer of every pass:
+    the Python around the kernel call is kept to a few attribute reads (no views made per call)."""
+    in_features = weight.shape[1]
+    rows = x.numel() // in_features
+    if (kernel is None or (rows > EXACT_ROWS and not exact_rows_on()) or x.dtype is not torch.float32
+            or weight.dtype is not torch.float32 or not x.is_cpu):
+        return F.linear(x, weight, bias)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    out_features = weight.shape[0]
+    out = x.new_empty((*x.shape[:-1], out_features))
+    threads = torch.get_num_threads()
+    x_at, w_at, out_at = x.data_ptr(), weight.data_ptr(), out.data_ptr()
+    for first in range(0, rows, MAX_ROWS):  # 9..16 rows: two calls, each row still computed alone
+        kernel(x_at + 4 * first * in_features, w_at, out_at + 4 * first * out_features, min(MAX_ROWS, rows - first),
+               in_features, out_features, threads)
+    if bias is not None:
+        out += bias
+    return out
+
+
 class SmallBatchLinear(torch.nn.Module):
     """``F.linear`` without bias whose few-row calls run the streaming kernel (weight shared with the original)."""
 
@@ -48,19 +72,7 @@ class SmallBatchLinear(torch.nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        if (rows > EXACT_ROWS and not exact_rows_on()) or x.dtype != torch.float32 or x.device.type != "cpu" or self.weight.dtype != torch.float32:
-            return F.linear(x, self.weight, self.bias)
-        flat = x.reshape(rows, self.in_features).contiguous()
-        out = torch.empty(rows, self.out_features, dtype=x.dtype)
-        threads = torch.get_num_threads()
-        for first in range(0, rows, MAX_ROWS):  # 9..16 rows: two calls, each row still computed alone
-            n = min(MAX_ROWS, rows - first)
-            self.kernel(flat[first].data_ptr(), self.weight.data_ptr(), out[first].data_ptr(), n, self.in_features,
-                        self.out_features, threads)
-        if self.bias is not None:
-            out += self.bias
-        return out.view(*x.shape[:-1], self.out_features)
+        return linear_rows(x, self.weight, self.bias, self.kernel)
 
 
 def kernel_attention(kernel, query, key, value, attention_mask, scaling) -> torch.Tensor | None:
@@ -129,6 +141,16 @@ def _clone(module: torch.nn.Module, kernel, attention_kernel, config) -> torch.n
     if getattr(module, "config", None) is not None and hasattr(module, "num_key_value_groups"):
         twin.config = config  # the attention module: dispatches on config._attn_implementation
         twin.attention_kernel = attention_kernel  # read by grouped_sdpa
+    return twin
+
+
+def with_row_kernel(module: torch.nn.Module, kernel) -> torch.nn.Module:
+    """A copy of ``module`` sharing every weight whose ``nn.Linear`` children run :class:`SmallBatchLinear` (the
+    drafter's network: its rows computed alone, so a merged draft step equals each stream's own)."""
+    if isinstance(module, torch.nn.Linear):
+        return SmallBatchLinear(module, kernel)
+    twin = copy.copy(module)
+    twin._modules = {name: with_row_kernel(child, kernel) for name, child in module._modules.items()}
     return twin
 
 

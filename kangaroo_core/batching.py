@@ -2,10 +2,10 @@
 
 Every stream is an :class:`~kangaroo_core.engine.Engine` of its own (a forked drafter, a copy of the policy and
 tree shaper, its verifier and seed) on a :meth:`~kangaroo_core.interfaces.Backend.stream_view` of the backend (a KV
-slot), decoding in a greenlet of its own. Its backend calls do not run at once: they wait until every running
-stream waits for a pass, and then run merged — all pending M[:l] passes as one (:meth:`Backend.shallow_many`), or, when
-no stream is drafting any more, all pending verify passes of M[l:] as one (:meth:`Backend.deep_many`). A stream
-joins (its prompt prefilled alone) or leaves between passes while the others continue.
+slot), decoding in a greenlet of its own. Its backend calls and draft steps wait until every running stream waits,
+then run merged — all pending M[:l] passes as one (:meth:`Backend.shallow_many`), else all draft steps as one
+(:meth:`SelfDrafter.advance_many`), or, once no stream drafts, all verify passes of M[l:] as one
+(:meth:`Backend.deep_many`). A stream joins (its prompt prefilled alone) or leaves between passes.
 
 Lossless by construction: each stream executes exactly the single-stream algorithm, and a backend whose merged
 pass computes every row as that stream's own pass would (the torch backend on CPU: see
@@ -43,33 +43,39 @@ class Cancelled(Exception):
 
 @attrs.define
 class _Request:
-    kind: str  # "shallow" or "deep"
+    kind: str  # "shallow", "draft" or "deep"
     part: tuple
     result: Any = None
     error: BaseException | None = None
-    done: bool = False
 
 
-class _StreamBackend:
-    """A stream's backend: its :meth:`shallow` / :meth:`deep` wait for the batch's next merged pass; everything
-    else is its stream view's (its own cache)."""
+class _Waiting:
+    """A stream's backend (its stream view) or drafter (its fork): the calls a subclass names wait for the batch's
+    next merged pass of their kind; everything else is the stream's own object's."""
 
-    def __init__(self, view, batch: "Batch", stream: "Stream"):
-        self._view, self._batch, self._stream = view, batch, stream
+    def __init__(self, own, batch: "Batch", stream: "Stream"):
+        self._own, self._batch, self._stream = own, batch, stream
 
     def __getattr__(self, name: str):
-        return getattr(self._view, name)
+        return getattr(self._own, name)
 
+
+class _StreamBackend(_Waiting):
     @property
     def streams(self) -> int:
         """The streams decoding in this batch now (whose passes this stream's are merged with)."""
         return max(1, self._batch.running)
 
     def shallow(self, token_ids, start, tree=None):
-        return self._batch._submit(self._stream, "shallow", (self._view, list(token_ids), start, tree))
+        return self._batch._submit(self._stream, "shallow", (self._own, list(token_ids), start, tree))
 
     def deep(self, hidden, start, rows=None, tree=None):
-        return self._batch._submit(self._stream, "deep", (self._view, hidden, start, rows, tree))
+        return self._batch._submit(self._stream, "deep", (self._own, hidden, start, rows, tree))
+
+
+class _StreamDrafter(_Waiting):
+    def advance(self, token_ids, hidden):  # merged by SelfDrafter.advance_many
+        return self._batch._submit(self._stream, "draft", (self._own, token_ids, hidden))
 
 
 class Stream(Iterator[str]):
@@ -89,7 +95,7 @@ class Stream(Iterator[str]):
         self.started_at: float | None = None
         self._tokens: list[int] = []  # emitted so far; turned into text only when the stream is iterated
         self._read = 0
-        self._pieces: TextPieces | None = None
+        self._pieces = TextPieces(batch.engine.backend.tokenizer)
 
     def cancel(self) -> None:
         """Stop before its next pass (any thread may cancel)."""
@@ -109,8 +115,6 @@ class Stream(Iterator[str]):
         return self.result
 
     def __next__(self) -> str:
-        if self._pieces is None:
-            self._pieces = TextPieces(self.batch.engine.backend.tokenizer)
         while True:
             if self._read < len(self._tokens):
                 new, self._read = self._tokens[self._read:], len(self._tokens)
@@ -134,9 +138,9 @@ class Batch:
     ``submit`` adds a stream (a prompt, a token budget, its own sampling settings and seed; any thread may submit);
     ``step`` runs the streams up to their next backend call and then one merged pass (drive it from one thread: a
     stream's iteration and :meth:`Stream.wait` do); ``generate`` is the blocking form. ``passes`` counts merged
-    passes, ``streams_per_pass`` the stream passes they held, ``sizes`` the streams in each. An engine that cannot
-    decode several streams at once (no stream views, or a drafter without fork) runs one stream at a time on its own
-    caches: :attr:`alone` says why and ``max_batch`` is 1.
+    passes (draft steps too; by kind in ``kinds``), ``streams_per_pass`` the stream passes they held, ``sizes`` the
+    streams in each. An engine that cannot decode several streams at once (no stream views, or a drafter without
+    fork) runs one stream at a time on its own caches: :attr:`alone` says why and ``max_batch`` is 1.
     """
 
     def __init__(self, engine, max_batch: int = 4):
@@ -161,6 +165,7 @@ class Batch:
         self._hub: greenlet.greenlet | None = None
         self.passes = self.streams_per_pass = 0
         self.sizes: list[int] = []
+        self.kinds: collections.Counter[str] = collections.Counter()  # merged passes by kind: shallow, draft, deep
 
     # -- streams ------------------------------------------------------------------------------------------------------
     def submit(self, prompt, *, chat: bool = True, max_new_tokens: int | None = None,
@@ -180,8 +185,7 @@ class Batch:
 
     def generate(self, prompts: Sequence, **options: Any) -> list[GenerationResult]:
         """Decode every prompt (up to ``max_batch`` at once); results in input order."""
-        streams = [self.submit(p, **options) for p in prompts]
-        return [s.wait() for s in streams]
+        return [stream.wait() for stream in [self.submit(p, **options) for p in prompts]]
 
     @property
     def running(self) -> int:
@@ -190,10 +194,9 @@ class Batch:
 
     def _engine_for(self, stream: Stream, view):
         """The stream's engine, on ``view`` behind a wrapper that hands its passes to the batch."""
-        base = self.engine
-        drafter = None
-        if base.drafter is not None:  # taking turns on the engine's own caches: its own drafter
-            drafter = base.drafter if self.alone else base.drafter.fork(view)
+        base, drafter = self.engine, self.engine.drafter  # taking turns on the engine's own caches: its own drafter
+        if drafter is not None and not self.alone:
+            drafter = _StreamDrafter(drafter.fork(view), self, stream)
         return base.for_stream(_StreamBackend(view, self, stream), stream.sampling, drafter=drafter)
 
     def _admit(self) -> None:
@@ -256,8 +259,9 @@ class Batch:
             self._admit()  # finished streams made room
         if not self._pending:
             return bool(self._running or self._line)
-        drafting = [(s, r) for s, r in self._pending if r.kind == "shallow"]
-        chosen = drafting or list(self._pending)  # verify passes wait for every stream to finish drafting
+        # verify passes wait for every stream to finish drafting: a stream's next call after M[:l] is its draft step
+        kind = next(k for k in ("shallow", "draft", "deep") if any(r.kind == k for _, r in self._pending))
+        chosen = [(s, r) for s, r in self._pending if r.kind == kind]
         self._pending = [p for p in self._pending if p not in chosen]
         cancelled = [(s, r) for s, r in chosen if s.cancelled]
         for _, request in cancelled:
@@ -269,9 +273,9 @@ class Batch:
         return True
 
     def _run_pass(self, requests: list[_Request]) -> None:
+        kind, backend = requests[0].kind, self.engine.backend
         try:
-            backend = self.engine.backend
-            run = backend.shallow_many if requests[0].kind == "shallow" else backend.deep_many
+            run = {"shallow": backend.shallow_many, "deep": backend.deep_many}.get(kind) or self.engine.drafter.advance_many
             with torch.inference_mode():
                 results = run([r.part for r in requests])
             for request, result in zip(requests, results):
@@ -282,6 +286,7 @@ class Batch:
         self.passes += 1
         self.streams_per_pass += len(requests)
         self.sizes.append(len(requests))
+        self.kinds[kind] += 1
 
 
 def _is_ids(prompt) -> bool:

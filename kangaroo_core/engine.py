@@ -238,10 +238,7 @@ class Engine:
     # -- public API ------------------------------------------------------------------------------------------------
     def generate(self, prompt: Prompt, *, chat: bool = True, max_new_tokens: int | None = None) -> GenerationResult:
         """Decode one prompt; returns text, token ids and stats."""
-        stream = self.stream(prompt, chat=chat, max_new_tokens=max_new_tokens)
-        for _ in stream:
-            pass
-        return stream.result
+        return self.generate_ids(self.encode(prompt, chat=chat), max_new_tokens)
 
     def generate_ids(self, prompt_ids: Sequence[int], max_new_tokens: int | None = None) -> GenerationResult:
         """Decode from prompt token ids (no template)."""
@@ -445,9 +442,6 @@ class TextStream(Iterator[str]):
         self._pieces = TextPieces(engine.backend.tokenizer)
         self._loop = engine.decode(prompt_ids, max_new_tokens)
         self.result: GenerationResult | None = None
-
-    def __iter__(self) -> "TextStream":
-        return self
 
     def __next__(self) -> str:
         if self.result is not None:  # finished: the loop is exhausted and its result already taken

@@ -273,6 +273,12 @@ class SelfDrafter(abc.ABC):
             logits over the vocabulary for the next position, or None when the drafter has nothing to propose.
         """
 
+    def advance_many(self, calls: Sequence[tuple["SelfDrafter", Sequence[int], torch.Tensor]]) -> list[torch.Tensor | None]:
+        """Each ``(drafter, token_ids, hidden)``'s :meth:`advance` (forks of this drafter: a batch's draft steps). An
+        override that runs them as one pass must return for each exactly its own :meth:`advance` (so a stream's
+        drafts, and a sampled stream's draws, never depend on what shares its passes). Default: one by one."""
+        return [drafter.advance(token_ids, hidden) for drafter, token_ids, hidden in calls]
+
     @abc.abstractmethod
     def crop(self, length: int) -> None:
         """Forget every position from ``length`` on (after rejected drafts)."""

@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kangaroo_apps.testing import TINY_FAMILIES, TinyTokenizer, tiny_model
+from kangaroo_apps.testing import TINY_FAMILIES, TinyTokenizer, random_deep_context_adapter, tiny_model
 from kangaroo_backends.torch_backend import TorchBackend
 from kangaroo_core.batching import Cancelled
 from kangaroo_core.config import DecodeConfig, SamplingConfig
@@ -238,3 +238,84 @@ class _NoViews:
         from kangaroo_core.interfaces import Backend
 
         return Backend.stream_view(self)
+
+
+# -- the drafter's step, merged across streams ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def deep_context_engine(tmp_path_factory):
+    """Kangaroo chains with a deep-context adapter (random fusions, an MLP block, a draft head) on a tiny float32
+    model: the drafter whose step a batch merges (DeepContextTorchRunner.advance_many). The threshold policy decides
+    as alone whatever the batch (the cost policy counts the streams that share a pass)."""
+    _, chain, _ = engines("llama")
+    model = chain.backend.model
+    adapter = random_deep_context_adapter(model, 2, 3, draft_vocab=list(range(1, 64, 2)) + [EOS], ffn=True)
+    directory = tmp_path_factory.mktemp("deep") / "adapter"
+    adapter.save(directory, base_fingerprint=chain.backend.fingerprint, exit_layer=2)
+    engine = Engine.build(backend=chain.backend, config=chain.config, drafter="kangaroo-hybrid", policy="threshold",
+                          drafter_options={"adapter": str(directory)})
+    if engine.drafter.adapter.runner.kernel is None:
+        pytest.skip("the small-batch kernel is not built on this machine: draft steps run one by one")
+    return engine
+
+
+def _stream_at(drafter, view, tokens: list[int], prompt: int, steps: int):
+    """A fork where a stream would be: its prompt prefilled (the drafter given its deep states), then ``steps`` more
+    positions drafted one at a time; returns the call that advances it over the rest of ``tokens`` (its whole prompt
+    when it has not drafted yet)."""
+    view.reset()
+    drafter.reset()
+    h = view.shallow(tokens[:prompt], 0)
+    drafter.observe_deep(0, view.deep(h, 0, rows=[prompt - 1]).hidden)
+    if prompt == len(tokens):
+        return drafter, tokens, h
+    drafter.advance(tokens[:prompt], h)
+    for p in range(prompt, prompt + steps):
+        drafter.advance(tokens[:p + 1], view.shallow(tokens[p:p + 1], p))
+    cut = prompt + steps
+    return drafter, tokens, view.shallow(tokens[cut:], cut)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(streams=st.lists(st.tuples(st.integers(2, 24), st.integers(0, 4), st.integers(1, 5)), min_size=2, max_size=5))
+def test_a_merged_draft_step_gives_each_stream_exactly_its_own_logits(deep_context_engine, streams):
+    """Streams at different depths, each advancing by one to five rows, or by its whole prompt (more than 16 rows:
+    run on its own), in one draft pass: every stream's logits, and its next step after it, are bit for bit those of
+    the same step taken alone."""
+    engine = deep_context_engine
+    base, backend = engine.drafter, engine.backend
+    calls, alone = [], []
+    for i, (prompt, steps, new) in enumerate(streams):
+        rng = random.Random(i)
+        first = steps == 0 and new == 1  # its first step: the whole prompt at once
+        tokens = [rng.randrange(1, 64) for _ in range(prompt + (0 if first else steps + new))]
+        calls.append(_stream_at(base.fork(view := backend.stream_view()), view, tokens, prompt, steps))
+        alone.append(_stream_at(base.fork(view := backend.stream_view()), view, tokens, prompt, steps))
+    together = base.advance_many(calls)
+    for (drafter, tokens, hidden), row in zip(alone, together):
+        assert torch.equal(drafter.advance(tokens, hidden), row)
+    follow = [torch.randn(1, backend.hidden_size, generator=torch.Generator().manual_seed(i)) for i in range(len(calls))]
+    again = base.advance_many([(d, t + [7], h) for (d, t, _), h in zip(calls, follow)])
+    for (drafter, tokens, _), h, row in zip(alone, follow, again):
+        assert torch.equal(drafter.advance(tokens + [7], h), row)
+
+
+def test_draft_steps_are_merged_and_every_stream_drafts_as_alone(deep_context_engine):
+    """In a batch of 4 (two greedy streams, two sampling from the drafter's distribution with their own seeds) the
+    draft steps run merged, and every stream drafts, accepts and emits exactly what it does alone."""
+    engine = deep_context_engine
+    prompts = [[random.Random(s).randrange(1, 64) for _ in range(4 + 3 * s)] for s in range(4)]
+    samplings = [None, None, SamplingConfig(temperature=0.8, seed=3, sample_drafts=True),
+                 SamplingConfig(temperature=1.0, seed=4, sample_drafts=True)]
+    alone = [(engine if s is None else engine.with_sampling(s)).generate_ids(p, 24) for p, s in zip(prompts, samplings)]
+    batch = engine.batch(4)
+    streams = [batch.submit(p, max_new_tokens=24, sampling=s) for p, s in zip(prompts, samplings)]
+    batched = [s.wait() for s in streams]
+
+    def decisions(result):
+        return [(r.drafted, r.accepted) for r in result.rounds]
+
+    assert [decisions(r) for r in batched] == [decisions(r) for r in alone]
+    assert [r.token_ids for r in batched] == [r.token_ids for r in alone]
+    steps = sum(r.drafted for result in batched for r in result.rounds)
+    assert 0 < batch.kinds["draft"] < 0.7 * steps  # power: draft steps of several streams ran as one

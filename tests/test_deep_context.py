@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kangaroo_core.config import DecodeConfig
 from kangaroo_core.engine import Engine
 from kangaroo_core.errors import AdapterMismatchError
-from kangaroo_apps.testing import TinyTokenizer, hf_greedy, tiny_backend, tiny_llama
+from kangaroo_apps.testing import TinyTokenizer, hf_greedy, random_deep_context_adapter, tiny_backend, tiny_llama
 from kangaroo_plugins.greedy_verifier import GreedyVerifier
 from kangaroo_plugins.kangaroo.adapter import KangarooAdapter
 from kangaroo_plugins.kangaroo.deep_context import DeepContextAdapter
@@ -35,18 +35,6 @@ def model(seed: int, layers: int = 3, dtype=torch.float64):
     return MODELS[key]
 
 
-def random_adapter(m, exit_layer: int, seed: int, *, draft_vocab=None, ffn=False) -> DeepContextAdapter:
-    """A deep-context adapter with non-zero fusions (an untrained one equals the paper's adapter)."""
-    adapter = DeepContextAdapter.from_base_layer(m, exit_layer, ffn=ffn, draft_head=draft_vocab is not None)
-    if draft_vocab is not None:
-        adapter.set_draft_vocab(draft_vocab, m.lm_head)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for module in (adapter.kv_fuse, adapter.query_fuse, adapter.depth_embedding):
-            module.weight.copy_(torch.randn(module.weight.shape, generator=gen, dtype=torch.float64) * 0.3)
-    return adapter.to(next(m.parameters()).dtype)
-
-
 def saved(adapter, backend, tmp_path, name="a") -> str:
     adapter.save(tmp_path / name, base_fingerprint=backend.fingerprint, exit_layer=backend.exit_layer)
     return str(tmp_path / name)
@@ -64,7 +52,7 @@ def engine(backend, adapter_dir, eta, gamma, new):
 def test_deep_context_drafter_is_lossless_on_torch(tmp_path_factory, seed, exit_layer, eta, gamma, prompt, vocab):
     m = model(seed)
     backend = tiny_backend(m, exit_layer=exit_layer)
-    adapter = random_adapter(m, exit_layer, seed, draft_vocab=list(range(0, 64, 2)) + [5] if vocab else None)
+    adapter = random_deep_context_adapter(m, exit_layer, seed, draft_vocab=list(range(0, 64, 2)) + [5] if vocab else None)
     directory = saved(adapter, backend, tmp_path_factory.mktemp("dc"))
     result = engine(backend, directory, eta, gamma, 20).generate_ids(prompt)
     assert result.token_ids == hf_greedy(m, prompt, 20)
@@ -88,7 +76,7 @@ def test_runner_keys_follow_the_deep_states_it_was_given():
     from kangaroo_plugins.kangaroo.runners import DeepContextTorchRunner
 
     m = model(2)
-    adapter = random_adapter(m, 1, 7).eval()
+    adapter = random_deep_context_adapter(m, 1, 7).eval()
     gen = torch.Generator().manual_seed(3)
     h = torch.randn(14, 32, generator=gen, dtype=torch.float64)
     z = torch.randn(14, 32, generator=gen, dtype=torch.float64)
@@ -115,7 +103,7 @@ def test_training_pass_equals_drafting_at_every_depth_and_query(first_query):
     from kangaroo_plugins.kangaroo.runners import DeepContextTorchRunner
 
     m = tiny_llama(4, layers=3, heads=4, kv_heads=2, dtype=torch.float64)
-    adapter = random_adapter(m, 1, 9, ffn=True).eval()
+    adapter = random_deep_context_adapter(m, 1, 9, ffn=True).eval()
     gen = torch.Generator().manual_seed(5)
     t = 12
     h = torch.randn(1, t, 32, generator=gen, dtype=torch.float64)
@@ -140,7 +128,7 @@ def test_the_exported_graphs_attention_equals_the_runners():
     from kangaroo_core.tree import TreeAttention
 
     m = tiny_llama(3, layers=3, heads=4, kv_heads=2, dtype=torch.float64)
-    adapter = random_adapter(m, 1, 5).eval()
+    adapter = random_deep_context_adapter(m, 1, 5).eval()
     gen = torch.Generator().manual_seed(0)
     keys = torch.randn(1, 2, 9, 8, generator=gen, dtype=torch.float64)
     values = torch.randn(1, 2, 9, 8, generator=gen, dtype=torch.float64)
@@ -170,7 +158,7 @@ def test_onnx_runner_drafts_like_the_torch_runner_and_stays_lossless(tmp_path, e
     onnx = OnnxBackend(m, TinyTokenizer(64, m.generation_config.eos_token_id), 1, bundle=tmp_path / "bundle",
                        threads=1, quiet=True)
     torch_backend = tiny_backend(m, exit_layer=1)
-    directory = saved(random_adapter(m, 1, 4, draft_vocab=list(range(40))), onnx, tmp_path)
+    directory = saved(random_deep_context_adapter(m, 1, 4, draft_vocab=list(range(40))), onnx, tmp_path)
     for prompt in ([1, 5, 7, 9, 3], [60, 2, 2, 8]):
         on_onnx = engine(onnx, directory, eta, gamma, 24).generate_ids(prompt)
         on_torch = engine(torch_backend, directory, eta, gamma, 24).generate_ids(prompt)
@@ -186,7 +174,7 @@ def test_mismatched_deep_context_files_are_refused_in_one_line(tmp_path):
     m = model(1)
     backend = tiny_backend(m, exit_layer=1)
     directory = tmp_path / "a"
-    saved(random_adapter(m, 1, 0), backend, tmp_path)
+    saved(random_deep_context_adapter(m, 1, 0), backend, tmp_path)
     loaded = load_adapter(directory, m, base_fingerprint=backend.fingerprint, exit_layer=1)
     assert isinstance(loaded, DeepContextAdapter) and loaded.reads_deep_states
 
@@ -227,7 +215,7 @@ def test_hybrid_drafter_hands_deep_states_to_a_deep_context_adapter(tmp_path):
     from kangaroo_plugins.kangaroo.hybrid import HybridDrafter
 
     target = tiny_target(4)
-    adapter = random_adapter(target.model, target.exit_layer, 1)
+    adapter = random_deep_context_adapter(target.model, target.exit_layer, 1)
     directory = saved(adapter, target.backend(), tmp_path)
     seen = []
 
@@ -248,7 +236,7 @@ def test_replay_of_a_deep_context_drafter_equals_the_engine(tmp_path, eta, gamma
 
     target = tiny_target(0)  # a seed whose greedy output gets drafts accepted (checked below)
     backend = target.backend()
-    directory = saved(random_adapter(target.model, target.exit_layer, 2), backend, tmp_path)
+    directory = saved(random_deep_context_adapter(target.model, target.exit_layer, 2), backend, tmp_path)
     drafter = KangarooDrafter(directory)
     run = engine(backend, directory, eta, gamma, 24)
     engine_drafter = run.drafter

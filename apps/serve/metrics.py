@@ -23,8 +23,8 @@ Names (counters end in ``_total``)::
     kangaroo_queue_wait_seconds                  histogram: queued → the engine takes the request
     kangaroo_request_tokens_per_second           histogram: engine tokens/s of each finished generation
     kangaroo_batch_size                          histogram: requests decoded together, one observation per pass of the
-                                                 model (M[:l] while drafting, M[l:] to verify, a prefill's two): the
-                                                 streams it held (always 1 with --max-batch 1)
+                                                 model (M[:l] while drafting, the drafter's step, M[l:] to verify, a
+                                                 prefill's two): the streams it held (always 1 with --max-batch 1)
     kangaroo_batch_passes_total                  passes observed by kangaroo_batch_size
     kangaroo_batch_stream_passes_total           stream passes those passes held (the rows of the merged passes)
     kangaroo_streams_per_pass                    stream passes / passes over all passes so far (1.0 unbatched)

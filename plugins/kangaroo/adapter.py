@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from kangaroo_backends.families import adapter_config, family_of
+from kangaroo_backends.fast_layers import linear_rows
 from kangaroo_backends.hf_compat import cache_keyword, rope_theta, rotary_for
 from kangaroo_backends.kv_cache import KVCache, causal_mask
 from kangaroo_core import __version__
@@ -72,9 +73,10 @@ class DraftHead(nn.Module):
         self.vocab_size = vocab_size or weight.shape[0]
         self.register_buffer("rows", weight.detach()[index].clone().contiguous(), persistent=False)  # [K, d]
         self.register_buffer("index", (index if vocab is None else vocab).clone(), persistent=False)  # [K]
+        self.kernel = None  # the small-batch kernel, when drafting runs its rows alone (kangaroo_backends.fast_layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., d] → [..., V]
-        sub = nn.functional.linear(x, self.rows)  # [..., K]
+        sub = linear_rows(x, self.rows, None, self.kernel)  # [..., K]
         full = torch.full((*sub.shape[:-1], self.vocab_size), float("-inf"), dtype=sub.dtype, device=sub.device)
         return full.scatter(-1, self.index.expand(*sub.shape[:-1], -1), sub)
 

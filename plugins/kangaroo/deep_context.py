@@ -107,12 +107,16 @@ class DeepContextAdapter(KangarooAdapter):
     def attend_all(self, x_q: torch.Tensor, position: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Drafting: one query x_q [1, 1, d] at ``position`` [1] over every cached key [1, kvh, T, hd] → [1, 1, d].
         Grouped-query heads are matched by a reshape (no copy of the cache) and nothing is masked."""
-        q = self.queries(x_q, position)  # [1, H, 1, hd]
+        return self.finish(x_q, self.attend_one(self.queries(x_q, position), keys, values))
+
+    def attend_one(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """One query's heads q [1, H, 1, hd] over every cached key [1, kvh, T, hd] → attended [1, H, 1, hd] (the
+        part of a draft step that reads a stream's own cache: a merged step runs it stream by stream)."""
         rep = self.heads // self.kv_heads
-        q = q.reshape(1, self.kv_heads, rep, self.head_dim)  # head h = g * rep + r reads key group g
+        q = q.reshape(1, self.kv_heads, rep, self.head_dim).contiguous()  # head h = g * rep + r reads key group g
         scores = torch.matmul(q, keys.transpose(2, 3)) * self.scaling  # [1, kvh, rep, T]
         attended = torch.matmul(torch.softmax(scores, dim=-1), values)  # [1, kvh, rep, hd]
-        return self.finish(x_q, attended.reshape(1, self.heads, 1, self.head_dim))
+        return attended.reshape(1, self.heads, 1, self.head_dim)
 
     def attend_biased(self, x_q: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                       bias: torch.Tensor) -> torch.Tensor:

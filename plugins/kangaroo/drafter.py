@@ -152,6 +152,13 @@ class KangarooDrafter(SelfDrafter):
         # hidden holds positions start..len(token_ids)-1; the runner refuses a start that is not its cache length
         return self.runner.advance(hidden, len(token_ids) - hidden.shape[0])  # [V]
 
+    def advance_many(self, calls) -> list[torch.Tensor]:
+        """Several forks' draft steps: their runner's merged pass where it has one (torch, deep-context adapter)."""
+        steps = [(d.runner, hidden, len(ids) - hidden.shape[0]) for d, ids, hidden in calls]
+        if hasattr(self.runner, "advance_many"):
+            return self.runner.advance_many(steps)
+        return [runner.advance(hidden, start) for runner, hidden, start in steps]
+
     def crop(self, length: int) -> None:
         self.runner.crop(length)
 

@@ -172,6 +172,16 @@ class HybridDrafter(SelfDrafter):
 
     def advance(self, token_ids: Sequence[int], hidden: torch.Tensor) -> torch.Tensor:
         logits = self.adapter.advance(token_ids, hidden)  # the adapter sees every position, whichever source wins
+        return self._choose(token_ids, logits)
+
+    def advance_many(self, calls) -> list[torch.Tensor]:
+        """Several forks' steps: their adapters' steps as one (see :meth:`KangarooDrafter.advance_many`), then each
+        fork's own lookup."""
+        logits = self.adapter.advance_many([(d.adapter, ids, hidden) for d, ids, hidden in calls])
+        return [d._choose(ids, row) for (d, ids, _), row in zip(calls, logits)]
+
+    def _choose(self, token_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
+        """The adapter's logits, or the lookup continuation where its measured acceptance beats them."""
         self._settle(token_ids)
         self.index.sync(token_ids)
         found = self.index.lookup()

@@ -8,21 +8,36 @@ contract (explicit ``start``, crop).
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 
 import torch
 
+from kangaroo_backends.fast_layers import EXACT_ROWS, SmallBatchLinear, with_row_kernel
 from kangaroo_backends.kv_cache import check_start
+from kangaroo_backends.native import small_batch_kernel
+from kangaroo_backends.ragged import exact_rows
 from kangaroo_core.errors import KangarooError, OnnxExportError
 from kangaroo_core.interfaces import Backend, DraftRunner
-from kangaroo_plugins.kangaroo.adapter import KangarooAdapter, adapter_key
+from kangaroo_plugins.kangaroo.adapter import DraftHead, KangarooAdapter, adapter_key
 
 
 class TorchAdapterRunner(DraftRunner):
-    """``head(adapter(h))`` in eager PyTorch; the drafting head (shared or draft-vocabulary rows) is resolved once."""
+    """``head(adapter(h))`` in eager PyTorch; the drafting head (shared or draft-vocabulary rows) is resolved once.
 
-    def __init__(self, adapter: KangarooAdapter, shared_head: torch.nn.Module):
-        self.adapter = adapter.eval()
+    ``kernel``: the backend's small-batch kernel (:mod:`kangaroo_backends.fast_layers`), given where the backend
+    verifies with it. The network's linear layers then compute each row alone, so a draft step merged across streams
+    (:meth:`DeepContextTorchRunner.advance_many`) gives every stream exactly its own step's logits."""
+
+    def __init__(self, adapter: KangarooAdapter, shared_head: torch.nn.Module, kernel=None):
+        adapter = adapter.eval()
+        self.kernel = kernel
+        self.adapter = adapter if kernel is None else with_row_kernel(adapter, kernel)
         self.head = adapter.drafting_head(shared_head)
+        if kernel is not None:
+            if isinstance(self.head, DraftHead):
+                self.head.kernel = kernel
+            elif isinstance(self.head, torch.nn.Linear):
+                self.head = SmallBatchLinear(self.head, kernel)
         self.cache = adapter.new_cache()
 
     @property
@@ -114,10 +129,13 @@ class _DeepContext:
 
 class DeepContextTorchRunner(TorchAdapterRunner):
     """The deep-context adapter in eager PyTorch: keys/values of verified positions are (re)computed from
-    ``h + W_kv z`` as soon as their deep states arrive; the query reads the latest verified deep state."""
+    ``h + W_kv z`` as soon as their deep states arrive; the query reads the latest verified deep state.
 
-    def __init__(self, adapter, shared_head: torch.nn.Module):
-        super().__init__(adapter, shared_head)
+    Several streams' draft steps run as one (:meth:`advance_many`, a batch's merged draft pass): their rows go
+    through every linear layer together and attend stream by stream over their own caches."""
+
+    def __init__(self, adapter, shared_head: torch.nn.Module, kernel=None):
+        super().__init__(adapter, shared_head, kernel)
         param = next(adapter.parameters())
         self.context = _DeepContext(adapter.config.hidden_size, param.device, param.dtype)
 
@@ -142,16 +160,51 @@ class DeepContextTorchRunner(TorchAdapterRunner):
 
     @torch.inference_mode()
     def advance(self, hidden: torch.Tensor, start: int) -> torch.Tensor:
-        check_start("adapter", start, self.length)
-        a, c, n = self.adapter, self.context, hidden.shape[0]
-        c.store_hidden(hidden, start)
-        self._write(start, n)
-        q = start + n - 1
-        depth = torch.tensor([q - c.known], device=hidden.device)
-        x_q = a.query_input(hidden[-1:], c.latest()[None], depth)  # [1, d]
-        keys, values = self.cache.layer(0)
-        out = a.attend_all(x_q[None], torch.tensor([q], device=hidden.device), keys, values)
-        return self.head(out[0, -1])  # [V]
+        return self._steps([(self, hidden, start)])[0]
+
+    @torch.inference_mode()
+    def advance_many(self, calls: Sequence[tuple["DeepContextTorchRunner", torch.Tensor, int]]) -> list[torch.Tensor]:
+        """Each ``(runner, hidden, start)``'s :meth:`advance` (runners forked from this one: the same network), in
+        one pass where that is exact: with the row kernel, the calls of up to :data:`EXACT_ROWS` new rows run
+        together (every row alone in the linear layers, attention per stream); the rest run one by one."""
+        if self.kernel is None or len(calls) == 1:
+            return [runner.advance(hidden, start) for runner, hidden, start in calls]
+        merged = [i for i, (_, hidden, _) in enumerate(calls) if hidden.shape[0] <= EXACT_ROWS]
+        logits: list = [None] * len(calls)
+        for i, (runner, hidden, start) in enumerate(calls):
+            if i not in merged:  # e.g. a prompt: a GEMM over its rows, as when it runs alone
+                logits[i] = runner.advance(hidden, start)
+        if merged:
+            with exact_rows():
+                for i, row in zip(merged, self._steps([calls[i] for i in merged])):
+                    logits[i] = row
+        return logits
+
+    def _steps(self, calls) -> list[torch.Tensor]:
+        """The draft step of every call, their rows together: keys/values of the new positions into each runner's
+        cache, then one query per runner (its last position) → next-token logits [V] each."""
+        a = self.adapter
+        for runner, hidden, start in calls:
+            check_start("adapter", start, runner.length)
+            runner.context.store_hidden(hidden, start)
+        spans = [(runner.context, start, hidden.shape[0]) for runner, hidden, start in calls]
+        y = a.kv_input(torch.cat([c.hidden[s:s + n] for c, s, n in spans]),
+                       torch.cat([c.deep_rows(s, n) for c, s, n in spans]),
+                       torch.cat([c.known_mask(s, n) for c, s, n in spans]))
+        device = y.device
+        k, v = a.keys_values(y[None], torch.cat([torch.arange(s, s + n, device=device) for _, s, n in spans]))
+        lo = 0
+        for (runner, _, _), (_, _, n) in zip(calls, spans):
+            runner.cache.update(k[:, :, lo:lo + n], v[:, :, lo:lo + n], 0)
+            lo += n
+        last = torch.tensor([s + n - 1 for _, s, n in spans], device=device)  # each runner's query position
+        depth = last - torch.tensor([c.known for c, _, _ in spans], device=device)
+        x_q = a.query_input(torch.cat([hidden[-1:] for _, hidden, _ in calls]),
+                            torch.stack([c.latest() for c, _, _ in spans]), depth)  # [S, d]
+        q = a.queries(x_q[None], last)  # [1, H, S, hd]
+        attended = [a.attend_one(q[:, :, i:i + 1], *runner.cache.layer(0)) for i, (runner, _, _) in enumerate(calls)]
+        out = a.finish(x_q[None], torch.cat(attended, dim=2))  # [1, S, d]
+        return list(self.head(out[0]))  # S x [V]
 
     @torch.inference_mode()
     def advance_tree(self, hidden: torch.Tensor, start: int, tree) -> torch.Tensor:
@@ -317,9 +370,10 @@ def make_runner(backend: Backend, adapter: KangarooAdapter, adapter_path: str | 
                 tolerance: float) -> DraftRunner:
     """The runner for ``backend.runtime``; a one-line error for a runtime the drafter cannot run on."""
     if backend.runtime == "torch":
+        kernel = small_batch_kernel()[0] if getattr(backend, "kernels", None) == "small-batch" else None
         if adapter.reads_deep_states:
-            return DeepContextTorchRunner(adapter, backend.shared_head())
-        return TorchAdapterRunner(adapter, backend.shared_head())
+            return DeepContextTorchRunner(adapter, backend.shared_head(), kernel)
+        return TorchAdapterRunner(adapter, backend.shared_head(), kernel)
     if backend.runtime == "onnxruntime":
         if adapter.reads_deep_states:
             return DeepContextOnnxRunner(backend, adapter, adapter_path, opset=opset, tolerance=tolerance)
