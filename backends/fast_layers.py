@@ -2,9 +2,10 @@
 
 Two changes, both measured (``kangaroo profile``, docs/backends.md), both exact re-orderings of the same arithmetic:
 
-* every ``nn.Linear`` becomes :class:`SmallBatchLinear`: up to 8 rows go through the streaming kernel of
-  :mod:`kangaroo_backends.native` in one call (a BLAS GEMM re-packs the weights on every call; the kernel reads them
-  once), 9..16 rows in two calls, more rows through ``F.linear``;
+* every ``nn.Linear`` becomes :class:`SmallBatchLinear`: up to 16 rows go through the streaming kernel of
+  :mod:`kangaroo_backends.native` (a BLAS GEMM re-packs the weights on every call; the kernel reads them once, 8
+  rows at a time per block of weights), more rows through ``F.linear`` (any number in a ragged pass of many
+  streams, :func:`~kangaroo_backends.ragged.exact_rows`);
 * attention over up to 16 new rows runs the small-batch attention kernel (row-independent: a row's result does not
   depend on the rows that came with it, so a verify pass reproduces the one-position passes bit for bit, as the
   linear kernel does); longer passes (the prompt) and other dtypes run grouped-query SDPA without materialising
@@ -51,11 +52,8 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         x = x.contiguous()
     out_features = weight.shape[0]
     out = x.new_empty((*x.shape[:-1], out_features))
-    threads = torch.get_num_threads()
-    x_at, w_at, out_at = x.data_ptr(), weight.data_ptr(), out.data_ptr()
-    for first in range(0, rows, MAX_ROWS):  # 9..16 rows: two calls, each row still computed alone
-        kernel(x_at + 4 * first * in_features, w_at, out_at + 4 * first * out_features, min(MAX_ROWS, rows - first),
-               in_features, out_features, threads)
+    # every row alone, whatever their number: the kernel takes them 8 at a time over each block of weights
+    kernel(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, in_features, out_features, torch.get_num_threads())
     if bias is not None:
         out += bias
     return out

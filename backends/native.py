@@ -33,7 +33,7 @@ SOURCES = ("small_batch_linear.c", "small_batch_attention.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC")
 #: names the architecture the libraries are built for instead of this CPU's (``-march=`` value; see the module doc)
 MARCH_ENV = "KANGAROO_MARCH"
-MAX_ROWS = 8  # rows per call the linear kernel handles (fast_layers splits 9..16 rows into two calls)
+MAX_ROWS = 8  # rows the linear kernel computes per sweep of a weight block (more rows: chunks of 8 over that block)
 
 
 def compiler() -> str | None:

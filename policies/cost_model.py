@@ -34,7 +34,7 @@ CURVE_POSITIONS = (1, 2, 4, 8, 16, 32, 64)
 #: names the timings per measured size of the cost-aware policy's curve (default 9)
 REPEATS_ENV = "KANGAROO_COST_REPEATS"
 #: bumped when what a cached curve holds changes: older files are measured again
-COST_VERSION = 3
+COST_VERSION = 4
 
 
 @attrs.frozen

@@ -49,9 +49,19 @@ def test_kernel_matches_blas_and_ignores_batch_size(shape):
 
 
 @needs_kernel
-def test_kernel_refuses_more_rows_than_it_handles():
-    w, x = torch.randn(16, 16), torch.randn(9, 16)
-    assert kernel(x.data_ptr(), w.data_ptr(), torch.empty(9, 16).data_ptr(), 9, 16, 16, 1) == -1
+@needs_kernel
+@pytest.mark.parametrize("shape", [(576, 1536), (40, 33)])
+def test_kernel_takes_any_number_of_rows_each_computed_alone(shape):
+    """More than 8 rows go through each block of weights 8 at a time (a ragged pass of many streams): every row is
+    still bit for bit what it is alone, and no rows at all are refused."""
+    inner, out = shape
+    gen = torch.Generator().manual_seed(inner + out)
+    w = torch.randn(out, inner, generator=gen) * 0.05
+    x = torch.randn(27, inner, generator=gen)
+    alone = torch.cat([run_kernel(x[i:i + 1].contiguous(), w) for i in range(27)])
+    for n in (9, 16, 17, 27):
+        assert torch.equal(run_kernel(x[:n].contiguous(), w), alone[:n])
+    assert kernel(x.data_ptr(), w.data_ptr(), torch.empty(1, out).data_ptr(), 0, inner, out, 1) == -1
 
 
 def test_small_batch_linear_falls_back_to_blas_where_it_does_not_apply():
