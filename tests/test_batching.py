@@ -319,3 +319,6 @@ def test_draft_steps_are_merged_and_every_stream_drafts_as_alone(deep_context_en
     assert [r.token_ids for r in batched] == [r.token_ids for r in alone]
     steps = sum(r.drafted for result in batched for r in result.rounds)
     assert 0 < batch.kinds["draft"] < 0.7 * steps  # power: draft steps of several streams ran as one
+    apart = Engine.build(backend=engine.backend, config=engine.config, drafter="kangaroo-hybrid", policy="threshold",
+                         drafter_options={"adapter": engine.drafter.resolved_adapter, "merge_steps": False})
+    assert [r.token_ids for r in apart.batch(4).generate(prompts[:2], max_new_tokens=24)] == [r.token_ids for r in alone[:2]]

@@ -74,13 +74,16 @@ class KangarooDrafter(SelfDrafter):
             None for the default shipped adapter of this base model and exit layer when there is one (else an
             untrained adapter); ``"untrained"`` for an adapter initialised from layer l's attention (output stays
             lossless, acceptance is low).
+        merge_steps: in a batch, run the drafting streams' steps as one pass where the runner can (default); False
+            takes them one by one (the same logits: for comparing the two).
     """
 
     name = "kangaroo"
 
     def __init__(self, adapter: str | None = None, onnx_opset: int = DEFAULT_OPSET,
-                 onnx_tolerance: float = DEFAULT_TOLERANCE):
+                 onnx_tolerance: float = DEFAULT_TOLERANCE, merge_steps: bool = True):
         self.adapter_path = adapter
+        self.merge_steps = bool(merge_steps)
         self.onnx_export = {"opset": int(onnx_opset), "tolerance": float(onnx_tolerance)}  # its graph, on onnxruntime
         self.runner: DraftRunner | None = None
 
@@ -155,7 +158,7 @@ class KangarooDrafter(SelfDrafter):
     def advance_many(self, calls) -> list[torch.Tensor]:
         """Several forks' draft steps: their runner's merged pass where it has one (torch, deep-context adapter)."""
         steps = [(d.runner, hidden, len(ids) - hidden.shape[0]) for d, ids, hidden in calls]
-        if hasattr(self.runner, "advance_many"):
+        if self.merge_steps and hasattr(self.runner, "advance_many"):
             return self.runner.advance_many(steps)
         return [runner.advance(hidden, start) for runner, hidden, start in steps]
 

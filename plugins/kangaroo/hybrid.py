@@ -101,6 +101,7 @@ class HybridDrafter(SelfDrafter):
         carry_over: keep the acceptance counts from one generation to the next (a server learning its traffic).
             Off by default, so that a generation depends only on its own prompt (and seed).
         onnx_opset / onnx_tolerance: passed to the adapter's drafter (its graph on an onnxruntime backend).
+        merge_steps: passed to the adapter's drafter (a batch's draft steps as one pass, or one by one).
 
     The counts are measured under greedy drafting only: under sampled drafting the token drawn from the returned
     distribution need not be the lookup token, and the drafter cannot tell, so the estimates stay at ``prior``.
@@ -111,13 +112,13 @@ class HybridDrafter(SelfDrafter):
 
     def __init__(self, adapter: str | None = None, max_ngram: int = 4, min_ngram: int = 2, prior: float = 0.5,
                  carry_over: bool = False, measure: bool = True, onnx_opset: int | None = None,
-                 onnx_tolerance: float | None = None):
+                 onnx_tolerance: float | None = None, merge_steps: bool = True):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         if not 0 < prior < 1:
             raise ValueError(f"prior must be in (0, 1), got {prior!r}")
         onnx = {k: v for k, v in (("onnx_opset", onnx_opset), ("onnx_tolerance", onnx_tolerance)) if v is not None}
-        self.adapter = KangarooDrafter(adapter=adapter, **onnx)
+        self.adapter = KangarooDrafter(adapter=adapter, merge_steps=merge_steps, **onnx)
         self.max_ngram, self.min_ngram, self.prior = max_ngram, min_ngram, prior
         self.carry_over, self.measure = bool(carry_over), bool(measure)
         # per n-gram length: [accepted, verified] of lookup drafts
