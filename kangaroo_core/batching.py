@@ -278,7 +278,7 @@ class Batch:
             run = {"shallow": backend.shallow_many, "deep": backend.deep_many}.get(kind) or self.engine.drafter.advance_many
             with torch.inference_mode():
                 results = run([r.part for r in requests])
-            for request, result in zip(requests, results):
+            for request, result in zip(requests, results, strict=True):  # a plugin's short list: every stream errs
                 request.result = result
         except Exception as exc:  # e.g. out of memory: every stream of the pass gets the error
             for request in requests:

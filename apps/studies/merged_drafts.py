@@ -1,6 +1,6 @@
 """Merged draft steps against the same steps taken one by one, side by side in one process.
 
-``python -m kangaroo_apps.studies.merged_drafts --streams 2,4,8 --out merged-drafts.json``
+``python -m kangaroo_apps.studies.merged_drafts --streams 2,4,8`` (results in ``--out``, default merged-drafts.json)
 
 For each policy and stream count, one engine whose batches run their drafting streams' steps as one pass (the
 default) and one built with the drafter option ``merge_steps=false`` (each stream's step on its own, inside the same
@@ -44,6 +44,7 @@ def step_times(engine, sizes, repeats: int = 200) -> list[dict]:
     import statistics
 
     runner, backend = engine.drafter.adapter.runner, engine.backend
+    backend.reset()  # measuring a cost curve at build time leaves positions in the backend's cache
     ids = list(range(100, 400))
     hidden = backend.shallow(ids, 0)
     deep = backend.deep(hidden, 0, rows=[len(ids) - 1]).hidden
@@ -112,7 +113,8 @@ def single_stream_seconds(engine, target, prompts) -> dict:
 @click.option("--limit-per-subtask", default=2, show_default=True, help="Dev questions per subtask.")
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--threads", default=2, show_default=True)
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="Results file (JSON).")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=Path("merged-drafts.json"),
+              show_default=True, help="Results file (JSON).")
 @click.option("--step-only", is_flag=True, help="Time one draft step for 1 and each stream count instead.")
 @click.option("--single-stream", is_flag=True, help="Compare the row-exact drafter with plain linears, one stream.")
 def main(streams: str, policies: str, limit_per_subtask: int, max_new_tokens: int, threads: int, out: Path,

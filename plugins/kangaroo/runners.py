@@ -370,10 +370,12 @@ def make_runner(backend: Backend, adapter: KangarooAdapter, adapter_path: str | 
                 tolerance: float) -> DraftRunner:
     """The runner for ``backend.runtime``; a one-line error for a runtime the drafter cannot run on."""
     if backend.runtime == "torch":
-        kernel = small_batch_kernel()[0] if getattr(backend, "kernels", None) == "small-batch" else None
-        if adapter.reads_deep_states:
+        if adapter.reads_deep_states:  # the runner that merges a batch's steps: its rows computed alone, where it can
+            param = next(adapter.parameters())
+            exact = getattr(backend, "kernels", None) == "small-batch" and param.dtype == torch.float32
+            kernel = small_batch_kernel()[0] if exact and param.device.type == "cpu" else None
             return DeepContextTorchRunner(adapter, backend.shared_head(), kernel)
-        return TorchAdapterRunner(adapter, backend.shared_head(), kernel)
+        return TorchAdapterRunner(adapter, backend.shared_head())
     if backend.runtime == "onnxruntime":
         if adapter.reads_deep_states:
             return DeepContextOnnxRunner(backend, adapter, adapter_path, opset=opset, tolerance=tolerance)
