@@ -184,8 +184,9 @@ class DeepContextTorchRunner(TorchAdapterRunner):
         """The draft step of every call, their rows together: keys/values of the new positions into each runner's
         cache, then one query per runner (its last position) → next-token logits [V] each."""
         a = self.adapter
-        for runner, hidden, start in calls:
+        for runner, _, start in calls:  # every start checked before any stream's state moves
             check_start("adapter", start, runner.length)
+        for runner, hidden, start in calls:
             runner.context.store_hidden(hidden, start)
         spans = [(runner.context, start, hidden.shape[0]) for runner, hidden, start in calls]
         y = a.kv_input(torch.cat([c.hidden[s:s + n] for c, s, n in spans]),
