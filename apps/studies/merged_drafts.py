@@ -93,18 +93,30 @@ def single_stream_seconds(engine, target, prompts) -> dict:
     variants = {"row_kernel": shipped, "plain_linears": (plain.adapter, plain.head, None)}
     seconds = {"row_kernel": 0.0, "plain_linears": 0.0, "target_alone": 0.0}
     ids: dict[str, list] = {name: [] for name in seconds}
-    for prompt in prompts:
-        for name in ("row_kernel", "plain_linears", "target_alone", "target_alone", "plain_linears", "row_kernel"):
-            if name == "target_alone":
-                result = target.generate_ids(prompt)
-            else:
-                runner.adapter, runner.head, runner.kernel = variants[name]
-                result = engine.generate_ids(prompt)
-            seconds[name] += result.seconds
-            ids[name].append(result.token_ids)
-    runner.adapter, runner.head, runner.kernel = shipped
+    try:
+        for prompt in prompts:
+            for name in ("row_kernel", "plain_linears", "target_alone", "target_alone", "plain_linears", "row_kernel"):
+                if name == "target_alone":
+                    result = target.generate_ids(prompt)
+                else:
+                    runner.adapter, runner.head, runner.kernel = variants[name]
+                    result = engine.generate_ids(prompt)
+                seconds[name] += result.seconds
+                ids[name].append(result.token_ids)
+    finally:
+        runner.adapter, runner.head, runner.kernel = shipped
     return {"seconds": seconds, "row_kernel_over_plain_time": seconds["row_kernel"] / seconds["plain_linears"],
             "identical": ids["row_kernel"] == ids["plain_linears"] == ids["target_alone"]}
+
+
+def write(out: Path, results: dict, **info) -> None:
+    """The results file: the command, the CPU and the run's settings, then ``results``."""
+    from kangaroo_core.machine import cpu_line
+
+    info = {"command": "python -m kangaroo_apps.studies.merged_drafts " + " ".join(sys.argv[1:]), "cpu": cpu_line(),
+            **info}
+    out.write_text(json.dumps({"info": info, **results}, indent=1) + "\n")
+    click.echo(f"wrote {out}", err=True)
 
 
 @click.command()
@@ -124,7 +136,6 @@ def main(streams: str, policies: str, limit_per_subtask: int, max_new_tokens: in
     from kangaroo_apps.bench.questions import load_questions
     from kangaroo_core.config import DecodeConfig
     from kangaroo_core.engine import Engine
-    from kangaroo_core.machine import cpu_line
     from kangaroo_data import dev_questions
 
     torch.set_num_threads(threads)
@@ -132,10 +143,7 @@ def main(streams: str, policies: str, limit_per_subtask: int, max_new_tokens: in
     if step_only:
         with torch.inference_mode():
             rows = step_times(Engine.build(config=config), [1, *(int(s) for s in streams.split(","))])
-        info = {"command": "python -m kangaroo_apps.studies.merged_drafts " + " ".join(sys.argv[1:]),
-                "cpu": cpu_line(), "threads": threads}
-        out.write_text(json.dumps({"info": info, "steps": rows}, indent=1) + "\n")
-        return
+        return write(out, {"steps": rows}, threads=threads)
     if single_stream:
         questions = load_questions(dev_questions(), limit_per_subtask)
         report = {}
@@ -146,10 +154,8 @@ def main(streams: str, policies: str, limit_per_subtask: int, max_new_tokens: in
             report[policy] = single_stream_times = single_stream_seconds(engine, target, prompts)
             click.echo(f"{policy}: row kernel / plain linears time {single_stream_times['row_kernel_over_plain_time']:.3f}, "
                        f"identical {single_stream_times['identical']}", err=True)
-        info = {"command": "python -m kangaroo_apps.studies.merged_drafts " + " ".join(sys.argv[1:]),
-                "cpu": cpu_line(), "questions": len(questions), "max_new_tokens": max_new_tokens, "threads": threads}
-        out.write_text(json.dumps({"info": info, "single_stream": report}, indent=1) + "\n")
-        return
+        return write(out, {"single_stream": report}, questions=len(questions), max_new_tokens=max_new_tokens,
+                     threads=threads)
     rows = []
     for policy in policies.split(","):
         engines = {name: Engine.build(policy=policy, config=config, drafter_options={"merge_steps": merge})
@@ -172,10 +178,7 @@ def main(streams: str, policies: str, limit_per_subtask: int, max_new_tokens: in
             click.echo(f"{policy:>9} {n} streams: merged {speeds['merged']:.1f} tok/s, one by one "
                        f"{speeds['one_by_one']:.1f} tok/s ({row['merged_over_one_by_one']:.3f}x), identical "
                        f"{row['identical']}", err=True)
-    info = {"command": "python -m kangaroo_apps.studies.merged_drafts " + " ".join(sys.argv[1:]), "cpu": cpu_line(),
-            "questions": len(prompts), "max_new_tokens": max_new_tokens, "threads": threads}
-    out.write_text(json.dumps({"info": info, "rows": rows}, indent=1) + "\n")
-    click.echo(f"wrote {out}", err=True)
+    write(out, {"rows": rows}, questions=len(prompts), max_new_tokens=max_new_tokens, threads=threads)
 
 
 if __name__ == "__main__":

@@ -157,10 +157,9 @@ class KangarooDrafter(SelfDrafter):
 
     def advance_many(self, calls) -> list[torch.Tensor]:
         """Several forks' draft steps: their runner's merged pass where it has one (torch, deep-context adapter)."""
-        steps = [(d.runner, hidden, len(ids) - hidden.shape[0]) for d, ids, hidden in calls]
-        if self.merge_steps and hasattr(self.runner, "advance_many"):
-            return self.runner.advance_many(steps)
-        return [runner.advance(hidden, start) for runner, hidden, start in steps]
+        if not (self.merge_steps and hasattr(self.runner, "advance_many")):
+            return super().advance_many(calls)
+        return self.runner.advance_many([(d.runner, hidden, len(ids) - hidden.shape[0]) for d, ids, hidden in calls])
 
     def crop(self, length: int) -> None:
         self.runner.crop(length)

@@ -151,12 +151,20 @@ class DeepContextTorchRunner(TorchAdapterRunner):
     def _write(self, start: int, n: int, positions: torch.Tensor | None = None) -> None:
         """Append keys/values of slots start..start+n-1 (the cache holds exactly start slots); RoPE at
         ``positions`` (default: the slots themselves; a tree's nodes sit at their depth's position)."""
-        a, c = self.adapter, self.context
-        y = a.kv_input(c.hidden[start:start + n], c.deep_rows(start, n), c.known_mask(start, n))
-        if positions is None:
-            positions = torch.arange(start, start + n, device=y.device)
-        k, v = a.keys_values(y[None], positions)
-        self.cache.update(k, v, 0)
+        self._write_many([(self, start, n, positions)])
+
+    def _write_many(self, spans) -> None:
+        """:meth:`_write` for each ``(runner, start, n, positions)`` (forks of this runner), their rows together."""
+        a = self.adapter
+        y = a.kv_input(torch.cat([r.context.hidden[s:s + n] for r, s, n, _ in spans]),
+                       torch.cat([r.context.deep_rows(s, n) for r, s, n, _ in spans]),
+                       torch.cat([r.context.known_mask(s, n) for r, s, n, _ in spans]))
+        k, v = a.keys_values(y[None], torch.cat([torch.arange(s, s + n, device=y.device) if p is None else p
+                                                 for _, s, n, p in spans]))
+        lo = 0
+        for runner, _, n, _ in spans:
+            runner.cache.update(k[:, :, lo:lo + n], v[:, :, lo:lo + n], 0)
+            lo += n
 
     @torch.inference_mode()
     def advance(self, hidden: torch.Tensor, start: int) -> torch.Tensor:
@@ -169,11 +177,10 @@ class DeepContextTorchRunner(TorchAdapterRunner):
         together (every row alone in the linear layers, attention per stream); the rest run one by one."""
         if self.kernel is None or len(calls) == 1:
             return [runner.advance(hidden, start) for runner, hidden, start in calls]
-        merged = [i for i, (_, hidden, _) in enumerate(calls) if hidden.shape[0] <= EXACT_ROWS]
-        logits: list = [None] * len(calls)
-        for i, (runner, hidden, start) in enumerate(calls):
-            if i not in merged:  # e.g. a prompt: a GEMM over its rows, as when it runs alone
-                logits[i] = runner.advance(hidden, start)
+        # a call of many rows (a prompt) runs alone, a GEMM over its rows as when it runs alone; the rest together
+        logits = [runner.advance(hidden, start) if hidden.shape[0] > EXACT_ROWS else None
+                  for runner, hidden, start in calls]
+        merged = [i for i, row in enumerate(logits) if row is None]
         if merged:
             with exact_rows():
                 for i, row in zip(merged, self._steps([calls[i] for i in merged])):
@@ -188,20 +195,12 @@ class DeepContextTorchRunner(TorchAdapterRunner):
             check_start("adapter", start, runner.length)
         for runner, hidden, start in calls:
             runner.context.store_hidden(hidden, start)
-        spans = [(runner.context, start, hidden.shape[0]) for runner, hidden, start in calls]
-        y = a.kv_input(torch.cat([c.hidden[s:s + n] for c, s, n in spans]),
-                       torch.cat([c.deep_rows(s, n) for c, s, n in spans]),
-                       torch.cat([c.known_mask(s, n) for c, s, n in spans]))
-        device = y.device
-        k, v = a.keys_values(y[None], torch.cat([torch.arange(s, s + n, device=device) for _, s, n in spans]))
-        lo = 0
-        for (runner, _, _), (_, _, n) in zip(calls, spans):
-            runner.cache.update(k[:, :, lo:lo + n], v[:, :, lo:lo + n], 0)
-            lo += n
-        last = torch.tensor([s + n - 1 for _, s, n in spans], device=device)  # each runner's query position
-        depth = last - torch.tensor([c.known for c, _, _ in spans], device=device)
+        self._write_many([(runner, start, hidden.shape[0], None) for runner, hidden, start in calls])
+        device = calls[0][1].device
+        last = torch.tensor([start + hidden.shape[0] - 1 for _, hidden, start in calls], device=device)  # queries
+        depth = last - torch.tensor([runner.context.known for runner, _, _ in calls], device=device)
         x_q = a.query_input(torch.cat([hidden[-1:] for _, hidden, _ in calls]),
-                            torch.stack([c.latest() for c, _, _ in spans]), depth)  # [S, d]
+                            torch.stack([runner.context.latest() for runner, _, _ in calls]), depth)  # [S, d]
         q = a.queries(x_q[None], last)  # [1, H, S, hd]
         attended = [a.attend_one(q[:, :, i:i + 1], *runner.cache.layer(0)) for i, (runner, _, _) in enumerate(calls)]
         out = a.finish(x_q[None], torch.cat(attended, dim=2))  # [1, S, d]
