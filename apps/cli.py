@@ -829,7 +829,7 @@ def profile(opts: EngineOptions, context, positions, repeats, compare_plain, out
     from tqdm import tqdm
 
     from kangaroo_apps.bench.report import plot_curves
-    from kangaroo_policies.cost_model import cost_key, covers, measure_costs, save_costs
+    from kangaroo_policies.cost_model import cost_key, covers, measure_costs, save_costs, with_batch_passes
 
     sizes = _int_list(positions, "--positions")
     if not sizes or min(sizes) < 1:
@@ -859,6 +859,8 @@ def profile(opts: EngineOptions, context, positions, repeats, compare_plain, out
             drafter = engine.drafter if backend is engine.backend else None
             curves.append(measure_costs(backend, drafter, context=context, positions=sizes, repeats=repeats,
                                         progress=bar.update, rounds=opts.gamma if drafter is not None else 0))
+    if engine.drafter is not None:  # a batch's merged draft steps and verify passes
+        curves[0] = with_batch_passes(curves[0], engine.backend, engine.drafter, repeats=repeats)
     for curve in curves:
         click.echo(curve.table() + "\n")
     if engine.drafter is not None and covers(curves[0], opts.gamma, engine.backend.max_context):

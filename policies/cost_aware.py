@@ -9,10 +9,23 @@ probability that draft i is accepted once the drafts before it are. So its rate 
     rate(k) = (1 + E_k) / R(k),        rate(0) = 1 / R(0)   (the target's plain step)
 
 In a batch of s streams (greedy decoding; a sampled stream decides as alone, so that its seed reproduces it whatever
-shares its passes) the verify pass is merged: a stream's drafts add their rows to the others' (counted as one
-row each), so its rate is ``(s + E_k) / (R(k) + t(s + k) − t(k + 1))`` against ``s / (R(0) + t(s) − t(1))``: the
-more streams share a pass, the more a row is worth as a plain step of another stream, and drafting turns itself
-down where its extra tokens per extra millisecond no longer beat the batch's plain step.
+shares its passes) every pass is merged, and every stream decides by this same rule on the same costs: a stream
+prices its round as all s streams drafting k together. Each draft step is then the batch's merged one, ``D(s)``
+(measured: one M[:l] pass over a row per stream and one drafter pass), and the verify pass is the batch's merged
+pass over k + 1 rows of each stream, ``V(s, k + 1)`` (measured on s stream views; ``t(s(k + 1))`` where streams
+cannot run together)::
+
+    R_s(k) = R(k) + k · (D(s) − D(1)) + V(s, k + 1) − V(1, k + 1),        rate(k) = (1 + E_k) / R_s(k)
+
+That prices whether to draft at all: a batch's rounds start together (its verify passes wait for every stream), so
+the streams that draft take their first steps together. Each then stops at its own draft, so a further step is
+priced as the stream's alone — the others wait for it and their one row each joins its verify pass::
+
+    R'_s(k) = R(k) + t(s + k) − t(k + 1),        rate'(k) = (s + E_k) / R'_s(k)
+
+(``batch="wait"`` prices the whole round so, the earlier model, kept for A/B comparisons.) Where the drafter's
+steps merge, D(s) grows far slower than s · D(1), so a batch keeps drafting while its merged verify rows are cheap; where they cannot merge (or only one stream's step was measured) D(s) = s · D(1), and as
+verify rows grow dear with s (a large batch fills the rows that cost nothing) drafting turns itself down.
 
 ``p_i`` is draft i's confidence (the drafter's top-1 probability) calibrated online on this generation's verdicts:
 per confidence bin, accepted / verified drafts with a prior of ``prior`` pseudo-drafts centred on the confidence.
@@ -75,10 +88,19 @@ class CostAwarePolicy(StoppingPolicy):
     #: within a round, keep drafting while the draft's top-1 probability > eta (the threshold rule); None: while a
     #: deeper stop has a higher expected rate. The round's budget (0 included) comes from the costs either way.
     eta: float | None = attrs.field(default=None, converter=attrs.converters.optional(float))
+    #: how a stream in a batch prices whether to draft: "together" (every stream drafting k, merged draft steps) or
+    #: "wait" (the others drafting nothing and waiting for its draft steps: the earlier model, kept for A/B
+    #: comparisons); a further draft within a round is priced as "wait" either way
+    batch: str = "together"
     draft_ms: float = attrs.field(default=0.0, init=False)
     pass_ms: tuple[float, ...] = attrs.field(default=(), init=False)
     round_ms: tuple[float, ...] = attrs.field(default=(), init=False)
     pass_sizes: tuple[int, ...] = attrs.field(default=(), init=False)
+    draft_streams: tuple[int, ...] = attrs.field(default=(1,), init=False)
+    draft_many_ms: tuple[float, ...] = attrs.field(default=(), init=False)
+    verify_rows: tuple[int, ...] = attrs.field(default=(), init=False)
+    verify_many_ms: tuple[float, ...] = attrs.field(default=(), init=False)
+    costs_of_rounds: dict = attrs.field(factory=dict, init=False, repr=False)  # (k, streams) -> round_cost
     backend: Any = attrs.field(default=None, init=False, repr=False)
     streams: int = attrs.field(default=1, init=False)
     accepted: list[int] = attrs.field(factory=lambda: [0] * BINS, init=False)
@@ -94,6 +116,8 @@ class CostAwarePolicy(StoppingPolicy):
     name = "cost"
 
     def __attrs_post_init__(self):
+        if self.batch not in ("together", "wait"):
+            raise ConfigError(f"cost policy: batch must be 'together' or 'wait', got {self.batch!r}")
         if self.prior <= 0 or self.probe < 1 or not 0 <= self.memory < 1:
             raise ConfigError(f"cost policy: prior must be > 0, probe >= 1 and 0 <= memory < 1, got prior={self.prior}, "
                               f"probe={self.probe}, memory={self.memory}")
@@ -102,6 +126,7 @@ class CostAwarePolicy(StoppingPolicy):
         if given is not None:
             self.draft_ms, self.pass_ms = given[0], given[1]
             self.pass_sizes = tuple(range(1, len(self.pass_ms) + 1))
+            self.draft_many_ms = (self.draft_ms,)  # a batch's draft steps priced one by one
 
     @classmethod
     def create(cls, config: DecodeConfig, **options: Any) -> "CostAwarePolicy":
@@ -121,35 +146,57 @@ class CostAwarePolicy(StoppingPolicy):
         self.draft_ms = curve.draft_step_ms or 0.0
         self.pass_sizes, self.pass_ms = tuple(curve.positions), tuple(curve.verify_ms)
         self.round_ms = tuple(curve.round_ms)
+        self.draft_streams, self.draft_many_ms = tuple(curve.draft_streams), tuple(curve.draft_many_ms)
+        self.verify_rows, self.verify_many_ms = tuple(curve.verify_rows), tuple(curve.verify_many_ms)
 
     def prepare(self, engine: Any, prompt_ids, max_new_tokens: int) -> None:
         """Every generation starts from the prior: the same prompt gets the same drafting, whatever ran before."""
         self.accepted, self.verified = [0] * BINS, [0] * BINS
         self.first = self.later = None
         self.skipped, self.interval, self.probing = 0, self.probe, False
+        self.costs_of_rounds = {}
 
     # -- the model ------------------------------------------------------------------------------------------------------
     def pass_cost(self, n: int) -> float:
         """t(n): measured, interpolated between measured sizes, or extended along the last measured step."""
-        sizes, t = self.pass_sizes, self.pass_ms
-        for i, size in enumerate(sizes):
-            if n <= size:
-                if n == size or i == 0:
-                    return t[i]
-                return t[i - 1] + (t[i] - t[i - 1]) * (n - sizes[i - 1]) / (size - sizes[i - 1])
-        if len(t) == 1:
-            return t[0] * n / sizes[0]
-        return t[-1] + (n - sizes[-1]) * (t[-1] - t[-2]) / (sizes[-1] - sizes[-2])
+        return interpolate(self.pass_sizes, self.pass_ms, n)
+
+    def draft_pass_cost(self, streams: int) -> float:
+        """D(s): a batch's draft step with ``streams`` streams drafting (one stream's where only that was measured:
+        then s of them, one by one)."""
+        return interpolate(self.draft_streams, self.draft_many_ms or (self.draft_ms,), streams)
 
     def probability(self, confidence: float) -> float:
         """P(accepted | the drafts before it were): the confidence, calibrated on this generation's verdicts."""
         b = min(BINS - 1, int(confidence * BINS))
         return (self.accepted[b] + self.prior * confidence) / (self.verified[b] + self.prior)
 
-    def round_cost(self, k: int, streams: int = 1) -> float:
+    def verify_pass_cost(self, streams: int, rows: int) -> float:
+        """V(s, r): a batch's merged verify pass over ``rows`` rows of each of ``streams`` streams — measured,
+        interpolated between measured counts and rows — or, where it was not measured, t(s · r)."""
+        if not self.verify_many_ms:
+            return self.pass_cost(streams * rows)
+        n = len(self.verify_rows)
+        by_count = [interpolate(self.verify_rows, self.verify_many_ms[i * n:(i + 1) * n], rows)
+                    for i in range(len(self.draft_streams))]
+        return interpolate(self.draft_streams, by_count, streams)
+
+    def round_cost(self, k: int, streams: int = 1, together: bool | None = None) -> float:
+        """What a round of k drafts costs (:meth:`price_round`; the same numbers for every round of a
+        generation, so each is worked out once)."""
+        together = self.batch == "together" if together is None else together
+        cost = self.costs_of_rounds.get((k, streams, together))
+        if cost is None:
+            cost = self.costs_of_rounds[k, streams, together] = self.price_round(k, streams, together)
+        return cost
+
+    def price_round(self, k: int, streams: int = 1, together: bool = True) -> float:
         """What a round of k drafts costs: measured whole (``round_ms``) where it was, else k draft steps + t(k + 1)
-        (beyond the measured rounds: the last measured one plus that model's increments). In a batch the verify
-        pass also holds the other streams' rows (one each, as if they drafted nothing): t(streams + k) instead of
+        (beyond the measured rounds: the last measured one plus that model's increments). In a batch of s streams
+        every stream decides by the same rule on the same costs, so all are priced as drafting k together: each
+        draft step is the batch's merged one, D(s) instead of D(1), and the verify pass is the batch's over every
+        stream's k + 1 rows, V(s, k + 1) instead of V(1, k + 1). Not ``together``: the others drafted nothing
+        and wait for this stream's steps, their one row each joining its verify pass, t(s + k) instead of
         t(k + 1)."""
         model = k * self.draft_ms + self.pass_cost(k + 1)
         r = self.round_ms
@@ -160,23 +207,30 @@ class CostAwarePolicy(StoppingPolicy):
             alone = r[last] + model - (last * self.draft_ms + self.pass_cost(last + 1))
         else:
             alone = model
-        if streams > 1:
+        if streams > 1 and not together:
             return alone + self.pass_cost(streams + k) - self.pass_cost(k + 1)
+        if streams > 1:
+            merged = k * (self.draft_pass_cost(streams) - self.draft_pass_cost(1))
+            return alone + merged + self.verify_pass_cost(streams, k + 1) - self.verify_pass_cost(1, k + 1)
         return alone
 
-    def rate(self, k: int, expected: float) -> float:
-        """Expected tokens per unit of time of a round of k drafts that accepts ``expected`` of them on average —
-        the whole pass's tokens (every other stream's one token each) when the stream decodes in a batch: drafting
-        pays when its extra tokens per extra time beat the batch's plain step."""
-        return (self.streams + expected) / self.round_cost(k, self.streams)
+    def rate(self, k: int, expected: float, together: bool | None = None) -> float:
+        """Expected tokens per unit of time of a round of k drafts that accepts ``expected`` of them on average (in
+        a batch, ``together``: per stream, every stream drafting k; else the whole pass's tokens, the others' one
+        each). ``together`` defaults to the ``batch`` option."""
+        together = self.batch == "together" if together is None else together
+        if together or self.streams == 1:
+            return (1 + expected) / self.round_cost(k, self.streams, True)
+        return (self.streams + expected) / self.round_cost(k, self.streams, False)
 
-    def best_rate(self, drafted: int, alive: float, expected: float, p: float, horizon: int) -> float:
+    def best_rate(self, drafted: int, alive: float, expected: float, p: float, horizon: int,
+                  together: bool | None = None) -> float:
         """The highest expected rate over stops j in drafted+1..horizon, each later draft accepted with ``p``."""
         best = 0.0
         for j in range(drafted + 1, horizon + 1):
             alive *= p
             expected += alive
-            best = max(best, self.rate(j, expected))
+            best = max(best, self.rate(j, expected, together))
         return best
 
     # -- the hooks ------------------------------------------------------------------------------------------------------
@@ -204,8 +258,11 @@ class CostAwarePolicy(StoppingPolicy):
         self.expected += self.alive
         if self.eta is not None:
             return step.confidence > self.eta
+        # a batch's streams start drafting together, but each stops at its own draft: a further step is priced as
+        # this stream's alone, the others waiting for it
         i, horizon = step.index, max(self.most, step.index)
-        return self.best_rate(i, self.alive, self.expected, p, horizon) > self.rate(i, self.expected)
+        return (self.best_rate(i, self.alive, self.expected, p, horizon, together=False)
+                > self.rate(i, self.expected, together=False))
 
     def end_round(self, drafts: Sequence[DraftStep], accepted: int) -> None:
         """Calibrate on every verified draft (those up to and including the first rejected one)."""
@@ -225,6 +282,19 @@ class CostAwarePolicy(StoppingPolicy):
         if tried > 0:
             rate = (accepted - 1) / tried  # drafts 2..accepted of the verified ones
             self.later = rate if self.later is None else m * self.later + (1 - m) * rate
+
+
+def interpolate(sizes: Sequence[int], values: Sequence[float], n: int) -> float:
+    """The value at ``n``: measured, interpolated between measured sizes, or extended along the last measured step
+    (in proportion to ``n`` where only one size was measured)."""
+    for i, size in enumerate(sizes):
+        if n <= size:
+            if n == size or i == 0:
+                return values[i]
+            return values[i - 1] + (values[i] - values[i - 1]) * (n - sizes[i - 1]) / (size - sizes[i - 1])
+    if len(values) == 1:
+        return values[0] * n / sizes[0]
+    return values[-1] + (n - sizes[-1]) * (values[-1] - values[-2]) / (sizes[-1] - sizes[-2])
 
 
 @hookimpl

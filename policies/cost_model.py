@@ -31,10 +31,16 @@ DEFAULT_POSITIONS = (1, 2, 3, 4, 6, 8, 12, 16)
 #: the pass sizes measured for the cost-aware policy: one stream's verify passes and a batch's merged ones (up to 8
 #: streams of up to 7 rows), interpolated between
 CURVE_POSITIONS = (1, 2, 4, 8, 16, 32, 64)
+#: the counts of drafting streams whose merged draft step (a batch's draft pass) the cost-aware policy reads,
+#: interpolated between
+DRAFT_STREAMS = (1, 2, 4, 8)
+#: the rows per stream of the batch's merged verify passes the cost-aware policy reads (a round of k drafts verifies
+#: k + 1), interpolated between
+VERIFY_ROWS = (1, 2, 4, 8)
 #: names the timings per measured size of the cost-aware policy's curve (default 9)
 REPEATS_ENV = "KANGAROO_COST_REPEATS"
 #: bumped when what a cached curve holds changes: older files are measured again
-COST_VERSION = 4
+COST_VERSION = 5
 
 
 @attrs.frozen
@@ -52,6 +58,15 @@ class CostCurve:
     #: ``round_ms[k]``: a whole chain round that drafts k tokens, as the engine runs it (k + 1 one-position
     #: shallow passes, k drafter steps, one deep pass over k + 1 positions); empty when not measured
     round_ms: tuple[float, ...] = ()
+    #: ``draft_many_ms[i]``: one draft step of ``draft_streams[i]`` streams in a batch (one M[:l] pass over a row per
+    #: stream, then the drafter's pass: merged where backend and drafter merge, else one by one); ``(1,)`` alone
+    #: where the backend has no stream views or the drafter cannot fork
+    draft_streams: tuple[int, ...] = ()
+    draft_many_ms: tuple[float, ...] = ()
+    #: ``verify_many_ms[i * len(verify_rows) + j]``: a batch's merged verify pass (M[:l] and M[l:]) over
+    #: ``verify_rows[j]`` rows of each of ``draft_streams[i]`` streams; empty where streams cannot run together
+    verify_rows: tuple[int, ...] = ()
+    verify_many_ms: tuple[float, ...] = ()
 
     @property
     def relative(self) -> dict[int, float]:
@@ -73,6 +88,18 @@ class CostCurve:
             draft += ("\n\n| drafts per round | " + " | ".join(str(k) for k in range(len(self.round_ms))) + " |\n|---|"
                       + "---|" * len(self.round_ms) + "\n| round ms | " + " | ".join(f"{ms:.1f}" for ms in self.round_ms)
                       + " |\n| × the target's plain step | " + " | ".join(f"{ms / zero:.2f}" for ms in self.round_ms) + " |")
+        if len(self.draft_streams) > 1:
+            one = self.draft_many_ms[0]
+            draft += ("\n\n| streams drafting together | " + " | ".join(str(s) for s in self.draft_streams) + " |\n|---|"
+                      + "---|" * len(self.draft_streams) + "\n| draft step ms | "
+                      + " | ".join(f"{ms:.1f}" for ms in self.draft_many_ms) + " |\n| × one stream's | "
+                      + " | ".join(f"{ms / one:.2f}" for ms in self.draft_many_ms) + " |")
+        if self.verify_many_ms:
+            per = self.verify_rows
+            draft += ("\n\n| verify pass ms: streams \\ rows per stream | " + " | ".join(str(r) for r in per)
+                      + " |\n|---|" + "---|" * len(per) + "".join(
+                          f"\n| {s} | " + " | ".join(f"{ms:.1f}" for ms in self.verify_many_ms[i * len(per):(i + 1) * len(per)])
+                          + " |" for i, s in enumerate(self.draft_streams)))
         return head + "\n\n" + "\n".join(rows) + draft
 
     def as_dict(self) -> dict:
@@ -140,7 +167,7 @@ def measure_costs(backend, drafter=None, *, context: int = 300, positions: Seque
         if drafter.wants_deep_states:
             drafter.observe_deep(0, prefill.hidden)
         drafter.advance(prefix, h_prefix)
-    now = (lambda: torch.cuda.synchronize(backend.device) or time.perf_counter()) if "cuda" in str(getattr(backend, "device", "")) else time.perf_counter
+    now = _clock(backend)
     times: dict[int, list[float]] = {n: [] for n in positions}
     draft_times: list[float] = []
     ks = list(range(rounds + 1)) if drafter is not None and rounds > 0 else []
@@ -173,6 +200,71 @@ def measure_costs(backend, drafter=None, *, context: int = 300, positions: Seque
         verify_ms=tuple(1000 * statistics.median(times[n]) for n in positions),
         draft_step_ms=1000 * statistics.median(draft_times) if draft_times else None, repeats=repeats,
         round_ms=tuple(1000 * statistics.median(round_times[k]) for k in sorted(round_times)))
+
+
+def _clock(backend):
+    """A clock that reads after the queued work (CUDA), else ``time.perf_counter``."""
+    if "cuda" in str(getattr(backend, "device", "")):
+        return lambda: torch.cuda.synchronize(backend.device) or time.perf_counter()
+    return time.perf_counter
+
+
+@torch.inference_mode()
+def measure_batch_passes(backend, drafter, *, context: int = 300, streams: Sequence[int] = DRAFT_STREAMS,
+                         rows: Sequence[int] = VERIFY_ROWS, repeats: int = 9,
+                         seed: int = 0) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+    """A batch's merged passes on stream views and drafter forks after the same ``context``-token prefix, timed as a
+    batch runs them (median milliseconds): for each count in ``streams``, one draft step (one M[:l] pass over a new
+    row per stream, :meth:`Backend.shallow_many`, then one drafter pass, :meth:`SelfDrafter.advance_many`); and for
+    each (count, rows per stream) in ``streams`` × ``rows`` (row-major), one pass of M[:l] and one of M[l:] over
+    that many rows per stream (``shallow_many`` + ``deep_many``: a batch's verify pass, measured as ``t(n)`` is).
+    None where the backend has no stream views or the drafter cannot fork (a batch then runs one stream at a
+    time)."""
+    try:
+        views = [backend.stream_view() for _ in range(max(streams))]
+        forks = [drafter.fork(view) for view in views]
+    except NotImplementedError:
+        return None
+    ids = _context_ids(backend, context + max(rows), seed)
+    prefix = ids[:context]
+    for view, fork in zip(views, forks):
+        hidden = view.shallow(prefix, 0)
+        deep = view.deep(hidden, 0, rows=[context - 1]).hidden
+        if fork.wants_deep_states:
+            fork.observe_deep(0, deep)
+        fork.advance(prefix, hidden)
+    now, rng = _clock(backend), random.Random(seed)
+    steps: dict[int, list[float]] = {s: [] for s in streams}
+    passes: dict[tuple[int, int], list[float]] = {(s, r): [] for s in streams for r in rows}
+    order: list = [*streams, *passes]
+    for _ in range(repeats):
+        rng.shuffle(order)
+        for what in order:
+            s, r = (what, 0) if isinstance(what, int) else what
+            for view, fork in zip(views[:s], forks[:s]):
+                view.crop(context)
+                fork.crop(context)
+            start = now()
+            if r == 0:  # a draft step
+                hidden = backend.shallow_many([(view, ids[context: context + 1], context, None) for view in views[:s]])
+                drafter.advance_many([(fork, ids[: context + 1], h) for fork, h in zip(forks[:s], hidden)])
+                steps[s].append(now() - start)
+            else:
+                hidden = backend.shallow_many([(view, ids[context: context + r], context, None) for view in views[:s]])
+                backend.deep_many([(view, h, context, None, None) for view, h in zip(views[:s], hidden)])
+                passes[s, r].append(now() - start)
+    median_ms = lambda times: 1000 * statistics.median(times)  # noqa: E731
+    return tuple(median_ms(steps[s]) for s in streams), tuple(median_ms(passes[key]) for key in passes)
+
+
+def with_batch_passes(curve: CostCurve, backend, drafter, *, repeats: int) -> CostCurve:
+    """``curve`` with a batch's merged draft steps and verify passes measured for :data:`DRAFT_STREAMS` streams
+    (only one stream's draft step, the curve's, where the batch cannot run streams together)."""
+    measured = measure_batch_passes(backend, drafter, context=curve.context, repeats=repeats)
+    if measured is None:
+        return attrs.evolve(curve, draft_streams=(1,), draft_many_ms=(curve.draft_step_ms,))
+    return attrs.evolve(curve, draft_streams=DRAFT_STREAMS, draft_many_ms=measured[0], verify_rows=VERIFY_ROWS,
+                        verify_many_ms=measured[1])
 
 
 def cost_key(backend, drafter) -> dict:
@@ -223,6 +315,7 @@ def cached_costs(backend, drafter, most: int, *, repeats: int = 9) -> CostCurve:
     curve = measure_costs(backend, drafter, context=context, positions=(1,), repeats=repeats, rounds=most)
     rest = measure_costs(backend, None, context=context, positions=positions[1:], repeats=max(1, repeats // 3))
     curve = attrs.evolve(curve, positions=curve.positions + rest.positions, verify_ms=curve.verify_ms + rest.verify_ms)
+    curve = with_batch_passes(curve, backend, drafter, repeats=max(1, repeats // 3))
     try:
         save_costs(curve, key)
     except OSError:
@@ -243,7 +336,9 @@ def _repeats(default: int) -> int:
 
 
 def curve_from_dict(data: dict) -> CostCurve:
-    return CostCurve(**{**data, **{k: tuple(data.get(k, ())) for k in ("positions", "verify_ms", "round_ms")}})
+    return CostCurve(**{**data, **{k: tuple(data.get(k, ())) for k in ("positions", "verify_ms", "round_ms",
+                                                                      "draft_streams", "draft_many_ms",
+                                                                      "verify_rows", "verify_many_ms")}})
 
 
 def wanted_positions(most: int, max_context: int | None = None) -> list[int]:
@@ -256,4 +351,4 @@ def wanted_positions(most: int, max_context: int | None = None) -> list[int]:
 def covers(curve: CostCurve, most: int, max_context: int | None = None) -> bool:
     """Whether ``curve`` has what a policy drafting at most ``most`` tokens per round reads."""
     return (set(wanted_positions(most, max_context)) <= set(curve.positions) and curve.draft_step_ms is not None
-            and len(curve.round_ms) >= most + 1)
+            and len(curve.round_ms) >= most + 1 and bool(curve.draft_streams))

@@ -138,6 +138,8 @@ def test_bad_options_are_refused_in_one_line():
         CostAwarePolicy(costs="0.1,0")
     with pytest.raises(ConfigError, match="probe"):
         CostAwarePolicy(probe=0)
+    with pytest.raises(ConfigError, match="batch must be 'together' or 'wait'"):
+        CostAwarePolicy(batch="alone")
 
 
 @settings(max_examples=15, deadline=None, derandomize=True, database=None,
@@ -168,6 +170,8 @@ def test_the_measured_curve_is_cached_per_machine_and_identity_holds_in_a_batch(
     assert engine.policy.pass_sizes == sizes and sizes[:4] == (1, 2, 4, 8)
     assert len(measured) == len(sizes) and all(t > 0 for t in measured) and engine.policy.draft_ms > 0
     assert len(engine.policy.round_ms) == 4 and all(t > 0 for t in engine.policy.round_ms)  # rounds of 0..3 drafts
+    assert engine.policy.draft_streams == cost_model.DRAFT_STREAMS  # a batch's draft step by streams drafting
+    assert len(engine.policy.draft_many_ms) == len(cost_model.DRAFT_STREAMS) and min(engine.policy.draft_many_ms) > 0
 
     def no_measuring(*args, **kwargs):
         raise AssertionError("measured again although this machine's curve is cached")
@@ -269,3 +273,92 @@ def test_the_timings_per_size_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("KANGAROO_COST_REPEATS", "many")
     with pytest.raises(ValueError, match="KANGAROO_COST_REPEATS must be a whole number"):
         cost_model._repeats(9)
+
+
+def test_in_a_batch_merged_draft_steps_keep_drafting_where_one_by_one_steps_would_not():
+    # rows are cheap (half a millisecond each); a draft step costs 3 alone
+    costs = "3," + ",".join(str(10 + 0.5 * i) for i in range(64))
+    decisions = {}
+    for name, draft_many in {"merged": (3.0, 3.3, 3.6, 4.2), "one_by_one": (3.0, 6.0, 12.0, 24.0)}.items():
+        policy = CostAwarePolicy(costs=costs, prior=1e6)
+        policy.draft_streams, policy.draft_many_ms = (1, 2, 4, 8), draft_many
+        policy.prepare(None, [], 64)
+        policy.first = policy.later = 0.7
+        policy.backend = _Streams(4)
+        decisions[name] = policy.round_budget(6)
+        # every stream drafting 2: two merged draft steps (each D(4) - D(1) more than alone) and 4 x 3 verify rows
+        assert policy.round_cost(2, 4) == pytest.approx(6 + 11 + 2 * (draft_many[2] - 3) + (10 + 0.5 * 11) - 11)
+    assert decisions == {"merged": 6, "one_by_one": 0}
+    wait = CostAwarePolicy(costs=costs, prior=1e6, batch="wait")  # the others wait for its drafts: no merged steps
+    wait.draft_streams, wait.draft_many_ms = (1, 2, 4, 8), (3.0, 3.3, 3.6, 4.2)
+    wait.prepare(None, [], 64)
+    wait.first = wait.later = 0.7
+    wait.backend, wait.streams = _Streams(4), 4
+    assert wait.round_cost(2, 4) == pytest.approx(6 + 11 + (10 + 0.5 * 5) - 11)  # t(s + k): one row per other stream
+    assert wait.rate(1, 0.7) == pytest.approx(4.7 / (3 + 10.5 + 12 - 10.5))
+    policy = CostAwarePolicy(costs=costs)  # given as numbers: a batch's draft steps priced one by one
+    assert policy.draft_pass_cost(4) == pytest.approx(12.0) and policy.round_cost(1, 1) == pytest.approx(13.5)
+
+
+def test_in_a_batch_the_streams_draft_their_first_step_together_and_a_further_step_is_priced_as_alone():
+    decisions = {}
+    for streams in (1, 4):
+        policy = CostAwarePolicy(costs="3," + ",".join(str(10 + 0.5 * i) for i in range(64)), prior=1e6)
+        policy.draft_streams, policy.draft_many_ms = (1, 2, 4, 8), (3.0, 3.3, 3.6, 4.2)
+        policy.prepare(None, [], 64)
+        policy.first = policy.later = 0.9
+        policy.backend = _Streams(streams)
+        budget = policy.round_budget(6)
+        policy.begin_round()
+        decisions[streams] = budget, policy.keep_drafting(step(1, 0.9))
+    # alone a second draft pays (2.71 tokens in 17 ms against 1.9 in 13.5); in a batch of 4 the first step is
+    # merged, but a second one alone holds up three streams for 3.5 ms (5.71 tokens in 18.5 ms against 4.9 in 15)
+    assert decisions == {1: (6, True), 4: (6, False)}
+
+
+class _CountingDrafter(KangarooDrafter):
+    """Records how many streams each merged draft step held."""
+
+    sizes: list = []
+
+    def advance_many(self, calls):
+        type(self).sizes.append(len(calls))
+        return super().advance_many(calls)
+
+
+def test_a_batchs_passes_are_measured_as_a_batch_runs_them_or_as_one_stream_where_streams_cannot_merge():
+    model = tiny_llama(13, vocab=64, hidden=32, layers=3)
+    backend = tiny_backend(model, exit_layer=1)
+    drafter = _CountingDrafter()
+    drafter.bind(backend)
+    _CountingDrafter.sizes.clear()
+    calls = []
+    backend.deep_many = lambda parts, run=backend.deep_many: calls.append([p[1].shape[0] for p in parts]) or run(parts)
+    steps, passes = cost_model.measure_batch_passes(backend, drafter, context=20, streams=(1, 2, 4), rows=(1, 3),
+                                                    repeats=3)
+    assert len(steps) == 3 and len(passes) == 6 and min(steps + passes) > 0
+    assert sorted(_CountingDrafter.sizes) == [1] * 3 + [2] * 3 + [4] * 3  # each a merged step of that many streams
+    assert sorted(map(tuple, calls)) == sorted([(r,) * s for s in (1, 2, 4) for r in (1, 3)] * 3)
+    curve = cost_model.CostCurve("torch", "plain", 1, 20, (1,), (5.0,), steps[0], 3, draft_streams=(1, 2, 4),
+                                 draft_many_ms=steps, verify_rows=(1, 3), verify_many_ms=passes)
+    table = curve.table()  # what `kangaroo profile` prints
+    assert "| streams drafting together | 1 | 2 | 4 |" in table and f"| 4 | {passes[4]:.1f} | {passes[5]:.1f} |" in table
+
+    scripted = ScriptedDrafter(list(range(40)), 64, strict=False)  # cannot fork: a batch runs one stream at a time
+    scripted.bind(backend)
+    assert cost_model.measure_batch_passes(backend, scripted, context=20) is None
+    curve = cost_model.with_batch_passes(cost_model.CostCurve("torch", "plain", 1, 20, (1,), (5.0,), 2.0, 1), backend,
+                                         scripted, repeats=1)
+    assert (curve.draft_streams, curve.draft_many_ms, curve.verify_many_ms) == ((1,), (2.0,), ())
+
+
+def test_in_a_batch_the_verify_pass_is_priced_from_the_measured_merged_passes():
+    policy = CostAwarePolicy(costs="3," + ",".join(str(10 + 0.5 * i) for i in range(64)), prior=1e6)
+    policy.draft_streams, policy.draft_many_ms = (1, 2, 4, 8), (3.0, 3.3, 3.6, 4.2)
+    policy.verify_rows = (1, 2, 4, 8)
+    policy.verify_many_ms = (10, 11, 12, 14,  11, 12, 14, 18,  12, 14, 18, 26,  14, 18, 26, 42)
+    policy.prepare(None, [], 64)
+    assert policy.verify_pass_cost(1, 4) == 12 and policy.verify_pass_cost(2, 3) == pytest.approx(13)
+    assert policy.verify_pass_cost(6, 2) == pytest.approx(16)  # between 4 and 8 streams
+    # every stream drafting 3: V(4, 4) - V(1, 4) on top of the stream's own round and its merged draft steps
+    assert policy.round_cost(3, 4) == pytest.approx(3 * 3 + 11.5 + 3 * 0.6 + 18 - 12)
