@@ -12,8 +12,8 @@ In a batch of s streams (greedy decoding; a sampled stream decides as alone, so 
 shares its passes) every pass is merged, and every stream decides by this same rule on the same costs: a stream
 prices its round as all s streams drafting k together. Each draft step is then the batch's merged one, ``D(s)``
 (measured: one M[:l] pass over a row per stream and one drafter pass), and the verify pass is the batch's merged
-pass over k + 1 rows of each stream, ``V(s, k + 1)`` (measured on s stream views; ``t(s(k + 1))`` where streams
-cannot run together)::
+pass over k + 1 rows of each stream, ``V(s, k + 1)`` (measured on s stream views, and never less than
+``t(s(k + 1))``, all there is where streams cannot run together)::
 
     R_s(k) = R(k) + k · (D(s) − D(1)) + V(s, k + 1) − V(1, k + 1),        rate(k) = (1 + E_k) / R_s(k)
 
@@ -173,13 +173,16 @@ class CostAwarePolicy(StoppingPolicy):
 
     def verify_pass_cost(self, streams: int, rows: int) -> float:
         """V(s, r): a batch's merged verify pass over ``rows`` rows of each of ``streams`` streams — measured,
-        interpolated between measured counts and rows — or, where it was not measured, t(s · r)."""
+        interpolated between measured counts and rows — and never less than one stream's pass over as many rows,
+        t(s · r) (merged passes timed apart from the loop can read lower than the same passes in it), which is all
+        there is where it was not measured."""
+        one_stream = self.pass_cost(streams * rows)
         if not self.verify_many_ms:
-            return self.pass_cost(streams * rows)
+            return one_stream
         n = len(self.verify_rows)
         by_count = [interpolate(self.verify_rows, self.verify_many_ms[i * n:(i + 1) * n], rows)
                     for i in range(len(self.draft_streams))]
-        return interpolate(self.draft_streams, by_count, streams)
+        return max(one_stream, interpolate(self.draft_streams, by_count, streams))
 
     def round_cost(self, k: int, streams: int = 1, together: bool | None = None) -> float:
         """What a round of k drafts costs (:meth:`price_round`; the same numbers for every round of a

@@ -356,9 +356,10 @@ def test_in_a_batch_the_verify_pass_is_priced_from_the_measured_merged_passes():
     policy = CostAwarePolicy(costs="3," + ",".join(str(10 + 0.5 * i) for i in range(64)), prior=1e6)
     policy.draft_streams, policy.draft_many_ms = (1, 2, 4, 8), (3.0, 3.3, 3.6, 4.2)
     policy.verify_rows = (1, 2, 4, 8)
-    policy.verify_many_ms = (10, 11, 12, 14,  11, 12, 14, 18,  12, 14, 18, 26,  14, 18, 26, 42)
+    policy.verify_many_ms = (10, 11, 12, 14,  10, 12, 14, 18,  12, 14, 18, 26,  14, 18, 26, 42)
     policy.prepare(None, [], 64)
     assert policy.verify_pass_cost(1, 4) == 12 and policy.verify_pass_cost(2, 3) == pytest.approx(13)
+    assert policy.verify_pass_cost(2, 1) == pytest.approx(10.5)  # never below one stream's pass over as many rows
     assert policy.verify_pass_cost(6, 2) == pytest.approx(16)  # between 4 and 8 streams
     # every stream drafting 3: V(4, 4) - V(1, 4) on top of the stream's own round and its merged draft steps
     assert policy.round_cost(3, 4) == pytest.approx(3 * 3 + 11.5 + 3 * 0.6 + 18 - 12)
