@@ -24,8 +24,9 @@ priced as the stream's alone — the others wait for it and their one row each j
     R'_s(k) = R(k) + t(s + k) − t(k + 1),        rate'(k) = (s + E_k) / R'_s(k)
 
 (``batch="wait"`` prices the whole round so, the earlier model, kept for A/B comparisons.) Where the drafter's
-steps merge, D(s) grows far slower than s · D(1), so a batch keeps drafting while its merged verify rows are cheap; where they cannot merge (or only one stream's step was measured) D(s) = s · D(1), and as
-verify rows grow dear with s (a large batch fills the rows that cost nothing) drafting turns itself down.
+steps merge, D(s) grows far slower than s · D(1), so a batch keeps drafting while its merged verify rows are cheap;
+where they cannot merge (or only one stream's step was measured) D(s) = s · D(1), and as verify rows grow dear
+with s (a large batch fills the rows that cost nothing) drafting turns itself down.
 
 ``p_i`` is draft i's confidence (the drafter's top-1 probability) calibrated online on this generation's verdicts:
 per confidence bin, accepted / verified drafts with a prior of ``prior`` pseudo-drafts centred on the confidence.
@@ -100,7 +101,7 @@ class CostAwarePolicy(StoppingPolicy):
     draft_many_ms: tuple[float, ...] = attrs.field(default=(), init=False)
     verify_rows: tuple[int, ...] = attrs.field(default=(), init=False)
     verify_many_ms: tuple[float, ...] = attrs.field(default=(), init=False)
-    costs_of_rounds: dict = attrs.field(factory=dict, init=False, repr=False)  # (k, streams) -> round_cost
+    costs_of_rounds: dict = attrs.field(factory=dict, init=False, repr=False)  # (k, streams, together) -> ms
     backend: Any = attrs.field(default=None, init=False, repr=False)
     streams: int = attrs.field(default=1, init=False)
     accepted: list[int] = attrs.field(factory=lambda: [0] * BINS, init=False)
@@ -126,7 +127,6 @@ class CostAwarePolicy(StoppingPolicy):
         if given is not None:
             self.draft_ms, self.pass_ms = given[0], given[1]
             self.pass_sizes = tuple(range(1, len(self.pass_ms) + 1))
-            self.draft_many_ms = (self.draft_ms,)  # a batch's draft steps priced one by one
 
     @classmethod
     def create(cls, config: DecodeConfig, **options: Any) -> "CostAwarePolicy":

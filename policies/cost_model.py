@@ -234,27 +234,25 @@ def measure_batch_passes(backend, drafter, *, context: int = 300, streams: Seque
             fork.observe_deep(0, deep)
         fork.advance(prefix, hidden)
     now, rng = _clock(backend), random.Random(seed)
-    steps: dict[int, list[float]] = {s: [] for s in streams}
-    passes: dict[tuple[int, int], list[float]] = {(s, r): [] for s in streams for r in rows}
-    order: list = [*streams, *passes]
+    # (streams, 0): a draft step; (streams, rows): a verify pass over that many rows of each stream
+    times: dict[tuple[int, int], list[float]] = {(s, r): [] for s in streams for r in (0, *rows)}
+    order = list(times)
     for _ in range(repeats):
         rng.shuffle(order)
-        for what in order:
-            s, r = (what, 0) if isinstance(what, int) else what
+        for s, r in order:
             for view, fork in zip(views[:s], forks[:s]):
                 view.crop(context)
                 fork.crop(context)
             start = now()
-            if r == 0:  # a draft step
-                hidden = backend.shallow_many([(view, ids[context: context + 1], context, None) for view in views[:s]])
+            hidden = backend.shallow_many([(view, ids[context: context + max(r, 1)], context, None)
+                                           for view in views[:s]])
+            if r == 0:
                 drafter.advance_many([(fork, ids[: context + 1], h) for fork, h in zip(forks[:s], hidden)])
-                steps[s].append(now() - start)
             else:
-                hidden = backend.shallow_many([(view, ids[context: context + r], context, None) for view in views[:s]])
                 backend.deep_many([(view, h, context, None, None) for view, h in zip(views[:s], hidden)])
-                passes[s, r].append(now() - start)
-    median_ms = lambda times: 1000 * statistics.median(times)  # noqa: E731
-    return tuple(median_ms(steps[s]) for s in streams), tuple(median_ms(passes[key]) for key in passes)
+            times[s, r].append(now() - start)
+    ms = {key: 1000 * statistics.median(t) for key, t in times.items()}
+    return tuple(ms[s, 0] for s in streams), tuple(ms[s, r] for s in streams for r in rows)
 
 
 def with_batch_passes(curve: CostCurve, backend, drafter, *, repeats: int) -> CostCurve:

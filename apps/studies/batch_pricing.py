@@ -13,22 +13,11 @@ verify pass.
 
 from __future__ import annotations
 
-import time
-
 import click
 
-from kangaroo_apps.studies.merged_drafts import write
+from kangaroo_apps.studies.merged_drafts import run, write
 
 ORDER = ("target_alone", "wait", "together", "together", "wait", "target_alone")
-
-
-def run(engine, prompts: list[list[int]], streams: int, max_new_tokens: int) -> dict:
-    start = time.perf_counter()
-    results = engine.generate_many(prompts, max_batch=streams, max_new_tokens=max_new_tokens)
-    wall = time.perf_counter() - start
-    tokens = sum(len(r.token_ids) for r in results)
-    return {"tokens_per_second": tokens / wall, "cr": tokens / max(1, sum(r.num_rounds for r in results)),
-            "token_ids": [r.token_ids for r in results]}
 
 
 @click.command()

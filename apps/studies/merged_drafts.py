@@ -36,7 +36,7 @@ def run(engine, prompts: list[list[int]], streams: int, max_new_tokens: int) -> 
     wall = time.perf_counter() - start
     tokens = sum(len(r.token_ids) for r in results)
     return {"tokens_per_second": tokens / wall, "draft_passes": batch.kinds["draft"],
-            "token_ids": [r.token_ids for r in results]}
+            "cr": tokens / max(1, sum(r.num_rounds for r in results)), "token_ids": [r.token_ids for r in results]}
 
 
 def step_times(engine, sizes, repeats: int = 200) -> list[dict]:
