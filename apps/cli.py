@@ -829,7 +829,8 @@ def profile(opts: EngineOptions, context, positions, repeats, compare_plain, out
     from tqdm import tqdm
 
     from kangaroo_apps.bench.report import plot_curves
-    from kangaroo_policies.cost_model import cost_key, covers, measure_costs, save_costs, with_batch_passes
+    from kangaroo_policies.cost_model import (cost_key, covers, measure_costs, save_costs, with_batch_passes,
+                                              with_round_contexts)
 
     sizes = _int_list(positions, "--positions")
     if not sizes or min(sizes) < 1:
@@ -861,6 +862,7 @@ def profile(opts: EngineOptions, context, positions, repeats, compare_plain, out
                                         progress=bar.update, rounds=opts.gamma if drafter is not None else 0))
     if engine.drafter is not None:  # a batch's merged draft steps and verify passes
         curves[0] = with_batch_passes(curves[0], engine.backend, engine.drafter, repeats=repeats)
+        curves[0] = with_round_contexts(curves[0], engine.backend, engine.drafter, repeats=repeats)
     for curve in curves:
         click.echo(curve.table() + "\n")
     if engine.drafter is not None and covers(curves[0], opts.gamma, engine.backend.max_context):

@@ -1,6 +1,7 @@
 """Cost-aware stopping: per round, draft the number of tokens that maximises expected tokens per second.
 
-A round that drafts k tokens costs ``R(k)``: measured whole, as the engine runs it, on this engine's backend,
+A round that drafts k tokens costs ``R(k)``: measured whole, as the engine runs it (rounds back to back, at a short
+and a longer context; a generation reads them at its prompt plus half its token budget), on this engine's backend,
 machine, kernels and threads (:func:`~kangaroo_policies.cost_model.cached_costs`: seconds once, then cached) — k + 1
 one-position shallow passes, k drafter steps, one deep pass over k + 1 positions, and whatever the drafter's kernels
 cost the target's (caches, thread pools) — or, given as numbers, ``k · c + t(k + 1)``. It yields ``1 + E_k`` tokens, ``E_k = Σ_{j≤k} p_1 · … · p_j`` where ``p_i`` is the
@@ -95,7 +96,9 @@ class CostAwarePolicy(StoppingPolicy):
     batch: str = "together"
     draft_ms: float = attrs.field(default=0.0, init=False)
     pass_ms: tuple[float, ...] = attrs.field(default=(), init=False)
-    round_ms: tuple[float, ...] = attrs.field(default=(), init=False)
+    round_ms: tuple[float, ...] = attrs.field(default=(), init=False)  # this generation's (at its context)
+    round_contexts: tuple[int, ...] = attrs.field(default=(), init=False)
+    rounds_by_context: tuple[float, ...] = attrs.field(default=(), init=False)
     pass_sizes: tuple[int, ...] = attrs.field(default=(), init=False)
     draft_streams: tuple[int, ...] = attrs.field(default=(1,), init=False)
     draft_many_ms: tuple[float, ...] = attrs.field(default=(), init=False)
@@ -146,6 +149,7 @@ class CostAwarePolicy(StoppingPolicy):
         self.draft_ms = curve.draft_step_ms or 0.0
         self.pass_sizes, self.pass_ms = tuple(curve.positions), tuple(curve.verify_ms)
         self.round_ms = tuple(curve.round_ms)
+        self.round_contexts, self.rounds_by_context = tuple(curve.round_contexts), tuple(curve.rounds_by_context)
         self.draft_streams, self.draft_many_ms = tuple(curve.draft_streams), tuple(curve.draft_many_ms)
         self.verify_rows, self.verify_many_ms = tuple(curve.verify_rows), tuple(curve.verify_many_ms)
 
@@ -155,6 +159,11 @@ class CostAwarePolicy(StoppingPolicy):
         self.first = self.later = None
         self.skipped, self.interval, self.probing = 0, self.probe, False
         self.costs_of_rounds = {}
+        if self.rounds_by_context:  # priced where the answer runs: its prompt and half its tokens before it
+            per = len(self.rounds_by_context) // len(self.round_contexts)
+            at = len(prompt_ids) + max_new_tokens // 2
+            self.round_ms = tuple(interpolate(self.round_contexts, self.rounds_by_context[k::per], at, extend=False)
+                                  for k in range(per))
 
     # -- the model ------------------------------------------------------------------------------------------------------
     def pass_cost(self, n: int) -> float:
@@ -287,14 +296,16 @@ class CostAwarePolicy(StoppingPolicy):
             self.later = rate if self.later is None else m * self.later + (1 - m) * rate
 
 
-def interpolate(sizes: Sequence[int], values: Sequence[float], n: int) -> float:
+def interpolate(sizes: Sequence[int], values: Sequence[float], n: int, extend: bool = True) -> float:
     """The value at ``n``: measured, interpolated between measured sizes, or extended along the last measured step
-    (in proportion to ``n`` where only one size was measured)."""
+    (in proportion to ``n`` where only one size was measured); not ``extend``: the last measured value."""
     for i, size in enumerate(sizes):
         if n <= size:
             if n == size or i == 0:
                 return values[i]
             return values[i - 1] + (values[i] - values[i - 1]) * (n - sizes[i - 1]) / (size - sizes[i - 1])
+    if not extend:
+        return values[-1]
     if len(values) == 1:
         return values[0] * n / sizes[0]
     return values[-1] + (n - sizes[-1]) * (values[-1] - values[-2]) / (sizes[-1] - sizes[-2])

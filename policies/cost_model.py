@@ -37,10 +37,12 @@ DRAFT_STREAMS = (1, 2, 4, 8)
 #: the rows per stream of the batch's merged verify passes the cost-aware policy reads (a round of k drafts verifies
 #: k + 1), interpolated between
 VERIFY_ROWS = (1, 2, 4, 8)
+#: the shorter context whole rounds are measured at too (besides the curve's own), for short prompts' answers
+SHORT_CONTEXT = 64
 #: names the timings per measured size of the cost-aware policy's curve (default 9)
 REPEATS_ENV = "KANGAROO_COST_REPEATS"
 #: bumped when what a cached curve holds changes: older files are measured again
-COST_VERSION = 5
+COST_VERSION = 6
 
 
 @attrs.frozen
@@ -56,7 +58,8 @@ class CostCurve:
     draft_step_ms: float | None
     repeats: int
     #: ``round_ms[k]``: a whole chain round that drafts k tokens, as the engine runs it (k + 1 one-position
-    #: shallow passes, k drafter steps, one deep pass over k + 1 positions); empty when not measured
+    #: shallow passes, k drafter steps, one deep pass over k + 1 positions), timed among rounds drafting k back to
+    #: back; empty when not measured
     round_ms: tuple[float, ...] = ()
     #: ``draft_many_ms[i]``: one draft step of ``draft_streams[i]`` streams in a batch (one M[:l] pass over a row per
     #: stream, then the drafter's pass: merged where backend and drafter merge, else one by one); ``(1,)`` alone
@@ -67,6 +70,10 @@ class CostCurve:
     #: ``verify_rows[j]`` rows of each of ``draft_streams[i]`` streams; empty where streams cannot run together
     verify_rows: tuple[int, ...] = ()
     verify_many_ms: tuple[float, ...] = ()
+    #: ``round_ms`` measured again after ``round_contexts[i]`` tokens: ``rounds_by_context[i * len(round_ms) + k]``
+    #: (a short context's plain step is cheaper, a draft step is not: a round's price depends on where it runs)
+    round_contexts: tuple[int, ...] = ()
+    rounds_by_context: tuple[float, ...] = ()
 
     @property
     def relative(self) -> dict[int, float]:
@@ -88,6 +95,12 @@ class CostCurve:
             draft += ("\n\n| drafts per round | " + " | ".join(str(k) for k in range(len(self.round_ms))) + " |\n|---|"
                       + "---|" * len(self.round_ms) + "\n| round ms | " + " | ".join(f"{ms:.1f}" for ms in self.round_ms)
                       + " |\n| × the target's plain step | " + " | ".join(f"{ms / zero:.2f}" for ms in self.round_ms) + " |")
+        if self.rounds_by_context:
+            per = len(self.round_ms)
+            draft += ("\n\n| round ms: context \\ drafts | " + " | ".join(str(k) for k in range(per)) + " |\n|---|"
+                      + "---|" * per + "".join(
+                          f"\n| {c} | " + " | ".join(f"{ms:.1f}" for ms in self.rounds_by_context[i * per:(i + 1) * per])
+                          + " |" for i, c in enumerate(self.round_contexts)))
         if len(self.draft_streams) > 1:
             one = self.draft_many_ms[0]
             draft += ("\n\n| streams drafting together | " + " | ".join(str(s) for s in self.draft_streams) + " |\n|---|"
@@ -122,28 +135,46 @@ def _context_ids(backend, context: int, seed: int) -> list[int]:
     return [rng.randrange(backend.vocab_size) for _ in range(context)]
 
 
-def _time_round(backend, drafter, ids: list[int], context: int, k: int, now) -> float:
-    """One chain round at position ``context`` that drafts k tokens, timed as the engine runs it (greedy drafts)."""
+#: rounds timed back to back per k and repeat (the first of them not counted: it follows another k's rounds); plain
+#: steps (k = 0) in a longer stretch, the first few not counted: a stretch of them runs as fast as the target alone
+#: only once the drafter's sessions have gone quiet
+CHAIN, PLAIN_CHAIN, PLAIN_SETTLE = 5, 12, 4
+
+
+def _time_rounds(backend, drafter, ids: list[int], context: int, k: int, count: int, now) -> list[float]:
+    """``count`` chain rounds from position ``context`` that each draft k tokens (greedy drafts, every one accepted),
+    back to back as the engine runs a stretch of rounds: each starts where the last ended, the drafter catching up
+    on the states it has not consumed, as in :meth:`Engine._chain_round`. A round timed alone after other work can
+    read far cheaper, against a plain step, than the loop's rounds (docs/benchmarks.md, "Rounds priced as the loop
+    runs them"); back to back a plain step costs what the target alone's does."""
     from kangaroo_core.results import DraftStep
 
     backend.crop(context)
     if drafter is not None:
         drafter.crop(context)
-    start = now()
-    h_last = backend.shallow(ids[context: context + 1], context)
-    states, unseen, sequence = [h_last], h_last, list(ids[: context + 1])
-    for i in range(k):
-        logits = drafter.advance(sequence, unseen)
-        if logits is None:
-            break
-        step = DraftStep.from_logits(logits, index=i + 1)
-        unseen = backend.shallow([step.token], len(sequence))
-        sequence.append(step.token)
-        states.append(unseen)
-    verified = backend.deep(torch.cat(states), context)
-    if drafter is not None and k and drafter.wants_deep_states:
-        drafter.observe_deep(context, verified.hidden[:1])
-    return now() - start
+    times, n = [], context
+    unseen = None
+    for _ in range(count):
+        start = now()
+        h_last = backend.shallow(ids[n: n + 1], n)
+        states, sequence = [h_last], list(ids[: n + 1])
+        if drafter is not None:
+            unseen = h_last if unseen is None else torch.cat([unseen, h_last])
+        for i in range(k):
+            logits = drafter.advance(sequence, unseen)
+            unseen = unseen[:0]
+            if logits is None:
+                break
+            step = DraftStep.from_logits(logits, index=i + 1)
+            unseen = backend.shallow([step.token], len(sequence))
+            sequence.append(step.token)
+            states.append(unseen)
+        verified = backend.deep(torch.cat(states), n)
+        if drafter is not None and drafter.wants_deep_states:
+            drafter.observe_deep(n, verified.hidden)
+        times.append(now() - start)
+        n += len(states)
+    return times
 
 
 def measure_costs(backend, drafter=None, *, context: int = 300, positions: Sequence[int] = DEFAULT_POSITIONS,
@@ -154,10 +185,12 @@ def measure_costs(backend, drafter=None, *, context: int = 300, positions: Seque
     positions = tuple(sorted(set(int(n) for n in positions)))
     if not positions or positions[0] < 1:
         raise ValueError("positions must be positive integers")
-    if context + max(positions) + 1 > backend.max_context:
-        raise ValueError(f"context {context} + {max(positions)} positions exceeds the model's {backend.max_context}")
+    span = max(max(positions), rounds + 1 if drafter is not None else 0)
+    if context + span + 1 > backend.max_context:
+        raise ValueError(f"context {context} + {span} positions exceeds the model's {backend.max_context}")
+    room = backend.max_context - context - 1  # positions a stretch of rounds may fill (fewer rounds in a short model)
     rng = random.Random(seed)
-    ids = _context_ids(backend, context + max(positions) + 1, seed)
+    ids = _context_ids(backend, context + room + 1, seed)
     prefix = ids[:context]
     backend.reset()
     h_prefix = backend.shallow(prefix, 0)
@@ -175,7 +208,9 @@ def measure_costs(backend, drafter=None, *, context: int = 300, positions: Seque
     for _ in range(repeats):
         rng.shuffle(ks)
         for k in ks:
-            round_times[k].append(_time_round(backend, drafter, ids, context, k, now))
+            count = min(PLAIN_CHAIN if k == 0 else CHAIN, room // (k + 1))
+            skip = min(PLAIN_SETTLE if k == 0 else 1, count - 1)
+            round_times[k].extend(_time_rounds(backend, drafter, ids, context, k, count, now)[skip:])
         order = list(positions)
         rng.shuffle(order)
         for n in order:
@@ -265,6 +300,17 @@ def with_batch_passes(curve: CostCurve, backend, drafter, *, repeats: int) -> Co
                         verify_many_ms=measured[1])
 
 
+def with_round_contexts(curve: CostCurve, backend, drafter, *, repeats: int) -> CostCurve:
+    """``curve`` with its whole rounds measured again after :data:`SHORT_CONTEXT` tokens (a short prompt's answer
+    runs there), next to the curve's own context."""
+    if not curve.round_ms or curve.context <= SHORT_CONTEXT:
+        return curve
+    most = len(curve.round_ms) - 1
+    short = measure_costs(backend, drafter, context=SHORT_CONTEXT, positions=(1,), repeats=repeats, rounds=most)
+    return attrs.evolve(curve, round_contexts=(SHORT_CONTEXT, curve.context),
+                        rounds_by_context=short.round_ms + curve.round_ms)
+
+
 def cost_key(backend, drafter) -> dict:
     """Everything a measured curve depends on: the machine, the backend and its kernels, dtype, threads, the model,
     its exit layer and the drafter."""
@@ -314,6 +360,7 @@ def cached_costs(backend, drafter, most: int, *, repeats: int = 9) -> CostCurve:
     rest = measure_costs(backend, None, context=context, positions=positions[1:], repeats=max(1, repeats // 3))
     curve = attrs.evolve(curve, positions=curve.positions + rest.positions, verify_ms=curve.verify_ms + rest.verify_ms)
     curve = with_batch_passes(curve, backend, drafter, repeats=max(1, repeats // 3))
+    curve = with_round_contexts(curve, backend, drafter, repeats=repeats)
     try:
         save_costs(curve, key)
     except OSError:
@@ -336,7 +383,8 @@ def _repeats(default: int) -> int:
 def curve_from_dict(data: dict) -> CostCurve:
     return CostCurve(**{**data, **{k: tuple(data.get(k, ())) for k in ("positions", "verify_ms", "round_ms",
                                                                       "draft_streams", "draft_many_ms",
-                                                                      "verify_rows", "verify_many_ms")}})
+                                                                      "verify_rows", "verify_many_ms",
+                                                                      "round_contexts", "rounds_by_context")}})
 
 
 def wanted_positions(most: int, max_context: int | None = None) -> list[int]:
@@ -349,4 +397,5 @@ def wanted_positions(most: int, max_context: int | None = None) -> list[int]:
 def covers(curve: CostCurve, most: int, max_context: int | None = None) -> bool:
     """Whether ``curve`` has what a policy drafting at most ``most`` tokens per round reads."""
     return (set(wanted_positions(most, max_context)) <= set(curve.positions) and curve.draft_step_ms is not None
-            and len(curve.round_ms) >= most + 1 and bool(curve.draft_streams))
+            and len(curve.round_ms) >= most + 1 and bool(curve.draft_streams)
+            and (bool(curve.round_contexts) or curve.context <= SHORT_CONTEXT))

@@ -4,8 +4,10 @@ machine; greedy output is identical to the target alone, decoding alone and in a
 
 from __future__ import annotations
 
+import json
 import random
 
+import attrs
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -363,3 +365,50 @@ def test_in_a_batch_the_verify_pass_is_priced_from_the_measured_merged_passes():
     assert policy.verify_pass_cost(6, 2) == pytest.approx(16)  # between 4 and 8 streams
     # every stream drafting 3: V(4, 4) - V(1, 4) on top of the stream's own round and its merged draft steps
     assert policy.round_cost(3, 4) == pytest.approx(3 * 3 + 11.5 + 3 * 0.6 + 18 - 12)
+
+
+def test_whole_rounds_are_timed_back_to_back_each_from_where_the_last_ended():
+    model = tiny_llama(17, vocab=64, hidden=32, layers=3)
+    backend = tiny_backend(model, exit_layer=1)
+    drafter = KangarooDrafter()
+    drafter.bind(backend)
+    events = []
+    backend.deep = lambda hidden, start, rows=None, tree=None, run=backend.deep: (
+        events.append(("deep", start, hidden.shape[0])) or run(hidden, start, rows, tree))
+    drafter.advance = lambda sequence, unseen, run=drafter.advance: (
+        events.append(("advance", len(sequence), unseen.shape[0])) or run(sequence, unseen))
+    ids = cost_model._context_ids(backend, 60, seed=0)
+    backend.reset()
+    h = backend.shallow(ids[:20], 0)
+    backend.deep(h, 0, rows=[19])
+    drafter.reset()
+    drafter.advance(ids[:20], h)
+    for k, count in ((2, 4), (0, 5), (1, 3)):
+        events.clear()
+        times = cost_model._time_rounds(backend, drafter, ids, 20, k, count, cost_model.time.perf_counter)
+        assert len(times) == count and min(times) > 0
+        passes = [e for e in events if e[0] == "deep"]
+        # every round verifies its k drafts and x_n, starting where the previous round's accepted tokens ended
+        assert passes == [("deep", 20 + i * (k + 1), k + 1) for i in range(count)]
+        steps = [e for e in events if e[0] == "advance"]
+        assert len(steps) == k * count  # a plain step (k = 0) runs no drafter work
+        if k:  # the drafter catches up on its last draft's state and the new x_n, then reads one state per draft
+            assert [s[2] for s in steps[k::k]][:count - 1] == [2] * (count - 1)
+            assert steps[0] == ("advance", 21, 1)
+
+
+def test_a_round_is_priced_at_the_context_its_answer_runs_at():
+    policy = CostAwarePolicy(costs="3,10,14", gamma=1)
+    policy.round_contexts, policy.rounds_by_context = (64, 300), (10.0, 17.0, 12.0, 18.0)
+    policy.prepare(None, [1] * 20, 88)  # the answer's middle: 20 + 44 = 64 tokens in
+    assert policy.round_ms == (10.0, 17.0)
+    assert policy.round_budget(1) == 0  # a first draft at 0.6: 1.6 / 17 < 1 / 10
+    policy.prepare(None, [1] * 182, 0)
+    assert policy.round_ms == pytest.approx((11.0, 17.5))
+    policy.prepare(None, [1] * 1000, 128)  # past the longest measured context: its costs
+    assert policy.round_ms == (12.0, 18.0)
+    assert policy.round_budget(1) == 1  # 1.6 / 18 > 1 / 12
+    curve = cost_model.CostCurve("torch", "plain", 1, 300, (1,), (5.0,), 2.0, 1, round_ms=(12.0, 18.0),
+                                 round_contexts=(64, 300), rounds_by_context=(10.0, 17.0, 12.0, 18.0))
+    assert "| 64 | 10.0 | 17.0 |" in curve.table()  # what `kangaroo profile` prints
+    assert cost_model.curve_from_dict(json.loads(json.dumps(attrs.asdict(curve)))) == curve  # as cached
