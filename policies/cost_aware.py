@@ -149,7 +149,9 @@ class CostAwarePolicy(StoppingPolicy):
         self.draft_ms = curve.draft_step_ms or 0.0
         self.pass_sizes, self.pass_ms = tuple(curve.positions), tuple(curve.verify_ms)
         self.round_ms = tuple(curve.round_ms)
-        self.round_contexts, self.rounds_by_context = tuple(curve.round_contexts), tuple(curve.rounds_by_context)
+        if curve.short_round_ms:  # rounds at two contexts, flattened context-major
+            self.round_contexts = (curve.short_context, curve.context)
+            self.rounds_by_context = tuple(curve.short_round_ms) + self.round_ms
         self.draft_streams, self.draft_many_ms = tuple(curve.draft_streams), tuple(curve.draft_many_ms)
         self.verify_rows, self.verify_many_ms = tuple(curve.verify_rows), tuple(curve.verify_many_ms)
 

@@ -70,10 +70,10 @@ class CostCurve:
     #: ``verify_rows[j]`` rows of each of ``draft_streams[i]`` streams; empty where streams cannot run together
     verify_rows: tuple[int, ...] = ()
     verify_many_ms: tuple[float, ...] = ()
-    #: ``round_ms`` measured again after ``round_contexts[i]`` tokens: ``rounds_by_context[i * len(round_ms) + k]``
-    #: (a short context's plain step is cheaper, a draft step is not: a round's price depends on where it runs)
-    round_contexts: tuple[int, ...] = ()
-    rounds_by_context: tuple[float, ...] = ()
+    #: ``round_ms`` measured again after ``short_context`` tokens (a short context's plain step is cheaper, a draft
+    #: step is not: a round's price depends on where it runs); empty when not measured
+    short_context: int = 0
+    short_round_ms: tuple[float, ...] = ()
 
     @property
     def relative(self) -> dict[int, float]:
@@ -95,12 +95,11 @@ class CostCurve:
             draft += ("\n\n| drafts per round | " + " | ".join(str(k) for k in range(len(self.round_ms))) + " |\n|---|"
                       + "---|" * len(self.round_ms) + "\n| round ms | " + " | ".join(f"{ms:.1f}" for ms in self.round_ms)
                       + " |\n| × the target's plain step | " + " | ".join(f"{ms / zero:.2f}" for ms in self.round_ms) + " |")
-        if self.rounds_by_context:
-            per = len(self.round_ms)
-            draft += ("\n\n| round ms: context \\ drafts | " + " | ".join(str(k) for k in range(per)) + " |\n|---|"
-                      + "---|" * per + "".join(
-                          f"\n| {c} | " + " | ".join(f"{ms:.1f}" for ms in self.rounds_by_context[i * per:(i + 1) * per])
-                          + " |" for i, c in enumerate(self.round_contexts)))
+        if self.short_round_ms:
+            draft += ("\n\n| round ms: context \\ drafts | " + " | ".join(str(k) for k in range(len(self.round_ms)))
+                      + " |\n|---|" + "---|" * len(self.round_ms) + "".join(
+                          f"\n| {c} | " + " | ".join(f"{ms:.1f}" for ms in rounds) + " |"
+                          for c, rounds in ((self.short_context, self.short_round_ms), (self.context, self.round_ms))))
         if len(self.draft_streams) > 1:
             one = self.draft_many_ms[0]
             draft += ("\n\n| streams drafting together | " + " | ".join(str(s) for s in self.draft_streams) + " |\n|---|"
@@ -307,8 +306,7 @@ def with_round_contexts(curve: CostCurve, backend, drafter, *, repeats: int) -> 
         return curve
     most = len(curve.round_ms) - 1
     short = measure_costs(backend, drafter, context=SHORT_CONTEXT, positions=(1,), repeats=repeats, rounds=most)
-    return attrs.evolve(curve, round_contexts=(SHORT_CONTEXT, curve.context),
-                        rounds_by_context=short.round_ms + curve.round_ms)
+    return attrs.evolve(curve, short_context=SHORT_CONTEXT, short_round_ms=short.round_ms)
 
 
 def cost_key(backend, drafter) -> dict:
@@ -384,7 +382,7 @@ def curve_from_dict(data: dict) -> CostCurve:
     return CostCurve(**{**data, **{k: tuple(data.get(k, ())) for k in ("positions", "verify_ms", "round_ms",
                                                                       "draft_streams", "draft_many_ms",
                                                                       "verify_rows", "verify_many_ms",
-                                                                      "round_contexts", "rounds_by_context")}})
+                                                                      "short_round_ms")}})
 
 
 def wanted_positions(most: int, max_context: int | None = None) -> list[int]:
@@ -398,4 +396,4 @@ def covers(curve: CostCurve, most: int, max_context: int | None = None) -> bool:
     """Whether ``curve`` has what a policy drafting at most ``most`` tokens per round reads."""
     return (set(wanted_positions(most, max_context)) <= set(curve.positions) and curve.draft_step_ms is not None
             and len(curve.round_ms) >= most + 1 and bool(curve.draft_streams)
-            and (bool(curve.round_contexts) or curve.context <= SHORT_CONTEXT))
+            and (bool(curve.short_round_ms) or curve.context <= SHORT_CONTEXT))

@@ -409,6 +409,6 @@ def test_a_round_is_priced_at_the_context_its_answer_runs_at():
     assert policy.round_ms == (12.0, 18.0)
     assert policy.round_budget(1) == 1  # 1.6 / 18 > 1 / 12
     curve = cost_model.CostCurve("torch", "plain", 1, 300, (1,), (5.0,), 2.0, 1, round_ms=(12.0, 18.0),
-                                 round_contexts=(64, 300), rounds_by_context=(10.0, 17.0, 12.0, 18.0))
+                                 short_context=64, short_round_ms=(10.0, 17.0))
     assert "| 64 | 10.0 | 17.0 |" in curve.table()  # what `kangaroo profile` prints
     assert cost_model.curve_from_dict(json.loads(json.dumps(attrs.asdict(curve)))) == curve  # as cached
