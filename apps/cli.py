@@ -192,7 +192,18 @@ def _int_list(text: str | None, flag: str) -> list[int]:
         raise UsageError(f"{flag} takes comma-separated integers, got {text!r}") from None
 
 
-def _adapter_specs(text: str | None):
+def _drafting_methods(methods: list[str]) -> list[str]:
+    """The drafting methods among ``methods`` (registered names), else ``kangaroo``: the columns ``--policies`` and
+    ``--adapters`` vary."""
+    from kangaroo_core.plugins import get_registry
+    from kangaroo_plugins.bench_methods import KangarooMethod
+
+    registry = get_registry()
+    return [m for m in methods if issubclass(registry.resolve("bench_method", m), KangarooMethod)] or ["kangaroo"]
+
+
+def _adapter_specs(text: str | None, methods: list[str]):
+    """``--adapters`` of ``kangaroo bench``: one column per adapter for each drafting method among ``methods``."""
     from pathlib import Path
 
     from kangaroo_apps.bench.harness import MethodSpec
@@ -200,6 +211,7 @@ def _adapter_specs(text: str | None):
     from kangaroo_core.files import read_json
 
     specs, points = [], []
+    drafting = _drafting_methods(methods)
     for raw in [x.strip() for x in (text or "").split(",") if x.strip()]:
         path = Path(raw).expanduser()
         meta_path = path / "adapter.json"
@@ -207,13 +219,15 @@ def _adapter_specs(text: str | None):
         if not isinstance(meta, dict) or not isinstance(meta.get("exit_layer"), int):
             raise BenchError(f"--adapters: {meta_path} has no integer exit_layer")
         name = path.name or str(path)
-        label = f"kangaroo[adapter={name}]"
-        if any(s.label == label for s in specs):
-            label = f"kangaroo[adapter={path}]"
         arch = meta.get("architecture") or {}
-        specs.append(MethodSpec(label, "kangaroo", {"adapter": str(path), "exit_layer": meta["exit_layer"]}))
-        points.append({"label": label, "name": name, "path": str(path), "exit_layer": meta["exit_layer"],
-                       "ffn": arch.get("ffn"), "separate_head": arch.get("separate_head")})
+        for method in drafting:
+            label = f"{method}[adapter={name}]"
+            if any(s.label == label for s in specs):
+                label = f"{method}[adapter={path}]"
+            specs.append(MethodSpec(label, method, {"adapter": str(path), "exit_layer": meta["exit_layer"]}))
+            points.append({"label": label, "method": method, "name": name, "path": str(path),
+                           "exit_layer": meta["exit_layer"], "ffn": arch.get("ffn"),
+                           "separate_head": arch.get("separate_head")})
     return specs, points
 
 
@@ -235,13 +249,9 @@ def _policy_specs(text: str | None, methods: list[str]):
     """``--policies`` of ``kangaroo bench``: one column per policy for each drafting method among ``methods`` (the
     names ``--methods`` gave), else for ``kangaroo``."""
     from kangaroo_apps.bench.harness import MethodSpec
-    from kangaroo_core.plugins import get_registry
-    from kangaroo_plugins.bench_methods import KangarooMethod
 
-    registry = get_registry()
-    drafting = [m for m in methods if issubclass(registry.resolve("bench_method", m), KangarooMethod)] or ["kangaroo"]
     return [MethodSpec(f"{method}[policy={label}]", method, {"policy": name, "policy_options": options})
-            for method in drafting for label, name, options in parse_policy_list(text)]
+            for method in _drafting_methods(methods) for label, name, options in parse_policy_list(text)]
 
 
 @cli.command(cls=EngineCommand)
@@ -257,7 +267,8 @@ def _policy_specs(text: str | None, methods: list[str]):
 @click.option("--sweep-eta", default=None, help="Comma-separated eta values: one kangaroo variant per (eta, gamma).")
 @click.option("--sweep-gamma", default=None, help="Comma-separated gamma values for the sweep (default: --gamma).")
 @click.option("--adapters", default=None,
-              help="Comma-separated adapter directories to compare, each at the exit layer in its adapter.json.")
+              help="Comma-separated adapter directories to compare, each at the exit layer in its adapter.json: one "
+                   "column each for every drafting method among --methods (else for kangaroo).")
 @click.option("--policies", default=None,
               help="Comma-separated stopping policies to compare, one kangaroo column each; options as "
                    "NAME:KEY=VALUE[:KEY=VALUE], e.g. learned:predictor=DIR.")
@@ -299,11 +310,12 @@ def bench(questions_file, out_dir, methods, limit_per_subtask, repeats, no_warmu
     config = opts.config()
     eta, gamma, max_new_tokens = opts.eta, opts.gamma, opts.max_new_tokens
     etas, gammas = _float_list(sweep_eta, "--sweep-eta"), _int_list(sweep_gamma, "--sweep-gamma")
-    adapter_specs, adapter_points = _adapter_specs(adapters)
     sweeping = bool(etas or gammas)
     only_variants = methods is None and (sweeping or adapters or policies or tree_budgets)
     specs = parse_methods("hf_vanilla" if only_variants else methods)
-    policy_specs = _policy_specs(policies, [] if only_variants else [s.name for s in specs])
+    measured = [] if only_variants else [s.name for s in specs]
+    adapter_specs, adapter_points = _adapter_specs(adapters, measured)
+    policy_specs = _policy_specs(policies, measured)
     sweep_points = []
     if sweeping:
         for g in gammas or [gamma]:
@@ -506,6 +518,9 @@ def gpu_check(device, dtypes, graphs, model, exit_layer, threads, adapter, quest
 @click.option("--train-matmuls", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
               help="The training steps' matrix products (bfloat16 autocast: faster; weights, optimizer and "
                    "evaluation stay float32).")
+@click.option("--init-from", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Start from this trained adapter directory (the same network): a longer schedule, or a larger "
+                   "--draft-vocab whose head keeps the trained rows (new tokens start from the shared head).")
 @click.option("--record-layers", default="", help="Also record these layers' states (e.g. 1,3,4) for an exit-layer sweep on the same data.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--skip-generation", is_flag=True, help="Train on the answers recorded so far in the work directory (no new generation).")
@@ -513,8 +528,8 @@ def gpu_check(device, dtypes, graphs, model, exit_layer, threads, adapter, quest
 def train_adapter_command(out_dir, model, exit_layer, threads, device, prompts_file, corpus_dir, work_dir, num_prompts,
                           heldout_prompts, max_new_tokens, generation_batch_size, top_k, epochs, batch_size, lr, ffn,
                           separate_head, draft_vocab, adapter_type, draft_head, loss, train_depths, fusion_lr_scale,
-                          feature_weight, prompt_queries, feature_matmuls, train_matmuls, record_layers, seed, skip_generation,
-                          ray_address, workers, threads_per_worker) -> None:
+                          feature_weight, prompt_queries, feature_matmuls, train_matmuls, init_from, record_layers, seed,
+                          skip_generation, ray_address, workers, threads_per_worker) -> None:
     """Train a Kangaroo adapter by self-distillation (resumable; progress bars with ETA)."""
     from kangaroo_core.paths import cache_dir
     from kangaroo_tools.adapter_training import TrainConfig, train_adapter
@@ -532,7 +547,7 @@ def train_adapter_command(out_dir, model, exit_layer, threads, device, prompts_f
                          draft_head=draft_head, loss=loss, train_depths=train_depths,
                          fusion_lr_scale=fusion_lr_scale, feature_weight=feature_weight,
                          prompt_queries=prompt_queries, feature_matmuls=feature_matmuls,
-                         train_matmuls=train_matmuls)
+                         train_matmuls=train_matmuls, init_from=init_from or "")
     if draft_head and not draft_vocab:
         raise UsageError("--draft-head needs --draft-vocab K (the head's rows are the draft vocabulary)")
     if feature_matmuls != "float32" and corpus_dir is None:
@@ -628,42 +643,74 @@ def train_policy_command(out_dir, model, exit_layer, threads, device, dtype, ada
 @click.option("--policies", default="fixed,threshold,adaptive,oracle", show_default=True,
               help="Comma-separated policies to replay; options as NAME:KEY=VALUE[:KEY=VALUE], e.g. learned:predictor=DIR.")
 @click.option("--limit-per-subtask", type=int, default=None, help="Only the first K questions of each subtask.")
+@click.option("--adapters", default=None,
+              help="Comma-separated adapter directories: each drafter replayed on the same target answers, side by "
+                   "side in drafters.md / drafters.json (each one's full analysis in OUT/<directory name>/).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @engine_options
-def analyze_policies_command(questions_file, out_dir, policies, limit_per_subtask, no_progress, opts: EngineOptions) -> None:
+def analyze_policies_command(questions_file, out_dir, policies, limit_per_subtask, adapters, no_progress,
+                             opts: EngineOptions) -> None:
     """Calibration of the draft confidence, the optimal eta per subtask, and every policy replayed exactly (greedy).
 
     The replay models drafters whose drafts depend only on the prefix: with the default --drafter it replays the
     adapter alone (kangaroo), not the hybrid's lookups."""
+    from pathlib import Path
+
     import torch
 
     from kangaroo_apps.bench.questions import load_questions
     from kangaroo_apps.bench.report import write_json
-    from kangaroo_tools.policy_analysis import analysis_markdown, plot_calibration, plot_eta_curves, run_analysis
+    from kangaroo_tools.policy_analysis import (analysis_markdown, drafters_markdown, plot_calibration, plot_eta_curves,
+                                                run_analysis, target_answers)
 
     out = check_out_dir(out_dir)
     specs = parse_policy_list(policies)
     questions = load_questions(questions_file, limit_per_subtask)
+    paths = [Path(x.strip()).expanduser() for x in (adapters or "").split(",") if x.strip()]
+    names = [p.name or str(p) for p in paths]
+    if len(set(names)) != len(names):
+        raise UsageError(f"--adapters: two directories share a name ({', '.join(names)})")
+    for path in paths:
+        if not (path / "adapter.json").is_file():
+            raise UsageError(f"--adapters: {path} is not an adapter directory (no adapter.json)")
     if opts.drafter == DEFAULT_DRAFTER:  # the hybrid's drafts depend on earlier acceptances: not replayable
         _eprint("kangaroo: analyze-policies replays the adapter alone (--drafter kangaroo)")
         opts = attrs.evolve(opts, drafter="kangaroo")
-    engine = attrs.evolve(opts, policy="fixed", policy_options=()).engine()
-    result = run_analysis(engine, questions, specs, max_new_tokens=opts.max_new_tokens, progress=not no_progress)
-    info = {"command": command_line(), "model": engine.backend.model_name,
-            "questions": str(questions_file), "max_new_tokens": opts.max_new_tokens, "exit_layer": engine.config.exit_layer,
-            "adapter": opts.adapter, "drafter": opts.drafter, "backend": opts.backend_name,
-            "torch_threads": torch.get_num_threads()}
-    out.mkdir(parents=True, exist_ok=True)
-    files = [write_json(out / "calibration.json", {"run": info, "calibration": result["calibration"]}),
-             write_json(out / "optimal_eta.json", {"run": info, "costs": result["costs"], "eta": result["eta"]}),
-             write_json(out / "policies.json", {"run": info, "costs": result["costs"], "policies": result["policies"]})]
-    plot_calibration(result["calibration"], out / "calibration.png")
-    plot_eta_curves(result["eta"], out / "eta_curves.png")
-    (out / "analysis.md").write_text(analysis_markdown(result, info))
-    files += [out / "calibration.png", out / "eta_curves.png", out / "analysis.md"]
-    for scope, entry in result["eta"].items():
-        _eprint(f"[{scope}] optimal eta {entry['optimal_eta']:g} (predicted speedup {entry['optimal_predicted_speedup']:.3f}), "
-                f"ECE {result['calibration'][scope]['expected_calibration_error']:.3f}")
+    runs = [(out, opts)] if not paths else [(out / name, attrs.evolve(opts, adapter=str(path)))
+                                            for name, path in zip(names, paths)]
+    answers, results, files = None, {}, []
+    for where, run_opts in runs:
+        engine = attrs.evolve(run_opts, policy="fixed", policy_options=()).engine()
+        if answers is None:  # the target's answers once: every drafter is replayed on the same tokens
+            answers = target_answers(engine, questions, max_new_tokens=opts.max_new_tokens, progress=not no_progress)
+        result = run_analysis(engine, questions, specs, max_new_tokens=opts.max_new_tokens, progress=not no_progress,
+                              answers=answers)
+        info = {"command": command_line(), "model": engine.backend.model_name,
+                "questions": str(questions_file), "max_new_tokens": opts.max_new_tokens,
+                "exit_layer": engine.config.exit_layer, "adapter": run_opts.adapter, "drafter": opts.drafter,
+                "backend": opts.backend_name, "torch_threads": torch.get_num_threads()}
+        results[where.name] = result
+        where.mkdir(parents=True, exist_ok=True)
+        files += [write_json(where / "calibration.json", {"run": info, "calibration": result["calibration"]}),
+                  write_json(where / "optimal_eta.json", {"run": info, "costs": result["costs"], "eta": result["eta"]}),
+                  write_json(where / "policies.json", {"run": info, "costs": result["costs"],
+                                                       "policies": result["policies"]})]
+        plot_calibration(result["calibration"], where / "calibration.png")
+        plot_eta_curves(result["eta"], where / "eta_curves.png")
+        (where / "analysis.md").write_text(analysis_markdown(result, info))
+        files += [where / "calibration.png", where / "eta_curves.png", where / "analysis.md"]
+        label = f"[{where.name}] " if paths else ""
+        for scope, entry in result["eta"].items():
+            _eprint(f"{label}[{scope}] optimal eta {entry['optimal_eta']:g} (predicted speedup "
+                    f"{entry['optimal_predicted_speedup']:.3f}), "
+                    f"ECE {result['calibration'][scope]['expected_calibration_error']:.3f}")
+    if paths:
+        run = {"command": command_line(), "questions": str(questions_file), "max_new_tokens": opts.max_new_tokens,
+               "adapters": [str(p) for p in paths]}
+        files.append(write_json(out / "drafters.json", {
+            "run": run, "drafters": {name: {"costs": r["costs"], "policies": r["policies"]} for name, r in results.items()}}))
+        (out / "drafters.md").write_text(drafters_markdown(results, run))
+        files.append(out / "drafters.md")
     click.echo(f"wrote {', '.join(str(f) for f in files)}")
 
 

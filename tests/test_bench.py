@@ -334,3 +334,17 @@ def test_sampling_skips_the_identity_check(tiny_model_dir, tmp_path, one_torch_t
     assert set(results["methods"]) == {"hf_vanilla", "kangaroo"}
     for entry in results["methods"].values():
         assert entry["error"] is None and entry["overall"]["identical_to_vanilla"] is None
+
+
+def test_adapters_give_one_column_per_drafting_method(tmp_path):
+    from kangaroo_apps.cli import _adapter_specs
+
+    for name in ("old", "new"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter.json").write_text(json.dumps({"exit_layer": 2, "architecture": {"ffn": True}}))
+    text = f"{tmp_path / 'old'},{tmp_path / 'new'}"
+    specs, points = _adapter_specs(text, ["hf_vanilla", "vanilla_onnx_gguf_int8", "kangaroo", "kangaroo_onnx_gguf_int8"])
+    assert [s.label for s in specs] == ["kangaroo[adapter=old]", "kangaroo_onnx_gguf_int8[adapter=old]",
+                                        "kangaroo[adapter=new]", "kangaroo_onnx_gguf_int8[adapter=new]"]
+    assert all(s.options == {"adapter": str(tmp_path / p["name"]), "exit_layer": 2} for s, p in zip(specs, points))
+    assert [s.label for s in _adapter_specs(text, [])[0]] == ["kangaroo[adapter=old]", "kangaroo[adapter=new]"]

@@ -144,3 +144,46 @@ def test_analyze_policies_rejects_an_unknown_policy(tiny_model_dir, tmp_path, ca
     assert code == 2  # bad usage
     err = capsys.readouterr().err
     assert "unknown policy 'psychic'" in err and "Traceback" not in err
+
+
+def test_analyze_policies_replays_several_adapters_on_the_same_answers(tiny_model_dir, tmp_path, capsys):
+    import torch
+
+    from kangaroo_backends.loading import load_model
+    from kangaroo_backends.torch_backend import model_fingerprint
+    from kangaroo_plugins.kangaroo.adapter import KangarooAdapter
+
+    model, _, _ = load_model(str(tiny_model_dir))
+    dirs = []
+    for name, seed in (("plain", None), ("shaken", 0)):
+        adapter = KangarooAdapter.from_base_layer(model, 1)
+        if seed is not None:  # another drafter: other drafts, other acceptance
+            torch.manual_seed(seed)
+            with torch.no_grad():
+                for p in adapter.parameters():
+                    p.add_(0.5 * torch.randn_like(p))
+        dirs.append(adapter.save(tmp_path / name, base_fingerprint=model_fingerprint(model), exit_layer=1))
+    questions = tmp_path / "q.jsonl"
+    items = [{"question_id": 1, "turns": ["tell me a story", "and another"], "subtask": "mt_bench"}]
+    questions.write_text("".join(json.dumps(q) + "\n" for q in items))
+    out = tmp_path / "out"
+    code = main(["analyze-policies", "--questions", str(questions), "--out", str(out), "--model", str(tiny_model_dir),
+                 "--max-new-tokens", "12", "--gamma", "3", "--no-progress", "--policies", "fixed,threshold",
+                 "--adapters", ",".join(str(d) for d in dirs)])
+    assert code == 0, capsys.readouterr().err
+    drafters = json.loads((out / "drafters.json").read_text())["drafters"]
+    assert list(drafters) == ["plain", "shaken"]
+    for name, entry in drafters.items():  # each drafter's own analysis, and the same numbers side by side
+        own = json.loads((out / name / "policies.json").read_text())
+        assert own["policies"] == entry["policies"] and own["run"]["adapter"] == str(tmp_path / name)
+        assert entry["costs"]["t_draft"] > 0
+    fixed = [drafters[n]["policies"]["fixed"]["overall"] for n in drafters]
+    assert all(len(f["ctar"]) == 3 for f in fixed)
+    assert fixed[0]["ctar"] != fixed[1]["ctar"]  # two drafters, really replayed one each
+    # the same target answers: as many rounds' tokens for each
+    assert len({f["rounds"] * f["cr"] for f in fixed}) == 1
+    text = (out / "drafters.md").read_text()
+    assert "CTAR(3)" in text and "| shaken |" in text
+    code = main(["analyze-policies", "--model", str(tiny_model_dir), "--out", str(tmp_path / "bad"),
+                 "--adapters", str(tmp_path)])
+    assert code == 2 and "not an adapter directory" in capsys.readouterr().err

@@ -341,3 +341,64 @@ def test_cli_matmul_choices_are_the_training_configs():
     options = {p.name: p for p in train_adapter_command.params}
     for name in ("feature_matmuls", "train_matmuls"):
         assert tuple(options[name].type.choices) == MATMUL_DTYPES
+
+
+def test_a_warm_start_keeps_every_trained_weight_and_grows_the_draft_head_token_by_token(tmp_path, backend):
+    from kangaroo_plugins.kangaroo.deep_context import DeepContextAdapter
+    from kangaroo_tools.adapter_training import warm_start
+
+    model, head = backend.model, backend.lm_head
+    small = DeepContextAdapter.from_base_layer(model, 1, ffn=True, draft_head=True)
+    small.set_draft_vocab([5, 9, 2], head)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in small.parameters():  # a "trained" adapter: every weight away from its initial value
+            p.add_(torch.randn_like(p))
+    small.save(tmp_path / "small", base_fingerprint=backend.fingerprint, exit_layer=1)
+
+    grown = DeepContextAdapter.from_base_layer(model, 1, ffn=True, draft_head=True)
+    grown.set_draft_vocab([2, 5, 7, 9, 11], head)
+    report = warm_start(grown, tmp_path / "small", model, base_fingerprint=backend.fingerprint, exit_layer=1)
+    assert report["draft_rows_carried"] == 3 and report["draft_rows"] == 5
+    trained = dict(small.named_parameters())
+    for name, p in grown.named_parameters():
+        if name != "draft_rows":
+            assert torch.equal(p, trained[name]), name
+    rows = dict(zip(grown.draft_vocab.tolist(), grown.draft_rows.detach()))
+    old = dict(zip(small.draft_vocab.tolist(), small.draft_rows.detach()))
+    for token in (2, 5, 9):
+        assert torch.equal(rows[token], old[token])
+    for token in (7, 11):  # new draft tokens start from the shared head's rows
+        assert torch.equal(rows[token], head.weight.detach()[token])
+    # over the old tokens, the grown adapter drafts exactly what the trained one drafts
+    hidden, deep = torch.randn(2, 1, 6, model.config.hidden_size, dtype=torch.float64)
+    with torch.no_grad():
+        a, b = (adapter.logits(adapter.forward_depths(hidden, deep, [0])[0], head) for adapter in (small, grown))
+    # (the same rows within float64 rounding: a 3- and a 5-row head product may sum in different orders)
+    torch.testing.assert_close(a[..., [2, 5, 9]], b[..., [2, 5, 9]], rtol=1e-12, atol=1e-12)
+
+    paper = KangarooAdapter.from_base_layer(model, 1)
+    paper.save(tmp_path / "paper", base_fingerprint=backend.fingerprint, exit_layer=1)
+    with pytest.raises(KangarooError, match="--init-from"):
+        warm_start(grown, tmp_path / "paper", model, base_fingerprint=backend.fingerprint, exit_layer=1)
+
+
+def test_training_from_a_trained_adapter_starts_where_it_ended(tmp_path, backend):
+    prompts = write_prompts(tmp_path / "p.jsonl", malformed=False)
+    work = tmp_path / "w"
+    first = attrs_evolve(CONFIG, adapter_type="deep-context", draft_vocab=10, draft_head=True, epochs=1)
+    trained = train_adapter(backend, prompts, work, tmp_path / "first", first, log=lambda m: None)
+    logs = []
+    again = train_adapter(backend, prompts, work, tmp_path / "again",
+                          attrs_evolve(first, init_from=str(tmp_path / "first")), log=logs.append)
+    # before its first step the warm-started adapter is the trained one: the same held-out evaluation
+    assert again["history"][0] == {**trained["final"], "epoch": 0, "train_loss": None}
+    assert again["init_from"]["draft_rows_carried"] == again["init_from"]["draft_rows"] == trained["draft_vocab"]["size"]
+    assert any(m.startswith("starting from") for m in logs)
+    assert again["history"][1] != trained["history"][1]  # and trains on from there
+
+
+def attrs_evolve(config, **changes):
+    import attrs
+
+    return attrs.evolve(config, **changes)

@@ -35,7 +35,7 @@ from kangaroo_core.config import _non_negative_int, _positive_int, _unit_interva
 from kangaroo_core.errors import KangarooError
 from kangaroo_core.results import DraftStep
 from kangaroo_plugins.kangaroo.adapter import KangarooAdapter
-from kangaroo_plugins.kangaroo.networks import adapter_class
+from kangaroo_plugins.kangaroo.networks import adapter_class, load_adapter
 from kangaroo_policies.threshold import ThresholdPolicy
 from kangaroo_tools.features import build_shards, corpus_feature_shards, load_shards, split_prompts
 from kangaroo_tools.prompts import read_prompts
@@ -82,6 +82,8 @@ class TrainConfig:
     feature_matmuls: str = attrs.field(default="float32", validator=attrs.validators.in_(MATMUL_DTYPES))
     # the training steps' matrix products (autocast; parameters, optimizer and evaluation stay float32)
     train_matmuls: str = attrs.field(default="float32", validator=attrs.validators.in_(MATMUL_DTYPES))
+    # a trained adapter directory to start from (same network; "": a fresh, zero-fused adapter)
+    init_from: str = ""
 
     def layers(self) -> list[int]:
         return sorted({self.exit_layer, *self.record_layers})
@@ -89,6 +91,32 @@ class TrainConfig:
 
 #: parameters of the deep-context fusions (trained at ``lr * fusion_lr_scale``)
 FUSION_PREFIXES = ("kv_fuse.", "query_fuse.", "depth_embedding.")
+
+
+def warm_start(adapter: KangarooAdapter, directory: str | Path, model, *, base_fingerprint: str,
+               exit_layer: int) -> dict:
+    """Copy a trained adapter's weights into ``adapter`` (the same network: type, FFN, head kind). A draft head's
+    rows carry over token by token, so a larger draft vocabulary keeps every trained row and its new tokens keep
+    the rows they were given (the shared head's). Returns what was carried over (for the report)."""
+    source = load_adapter(directory, model, base_fingerprint=base_fingerprint, exit_layer=exit_layer)
+    shape = lambda a: {k: v for k, v in a.architecture().items() if k != "draft_vocab_size"}
+    if type(source) is not type(adapter) or shape(source) != shape(adapter):
+        raise KangarooError(f"--init-from {directory}: a {shape(source)} adapter, not the {shape(adapter)} being "
+                            "trained")
+    state = {k: v for k, v in source.state_dict().items() if k != "draft_rows"}
+    missing, unexpected = adapter.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"draft_rows"}, (missing, unexpected)
+    carried = 0
+    if adapter.draft_head:
+        rows_of = {int(t): i for i, t in enumerate(source.draft_vocab.tolist())}
+        pairs = [(i, rows_of[t]) for i, t in enumerate(adapter.draft_vocab.tolist()) if t in rows_of]
+        carried = len(pairs)
+        if pairs:
+            new, old = (torch.tensor(x) for x in zip(*pairs))
+            with torch.no_grad():
+                adapter.draft_rows[new.to(adapter.draft_rows.device)] = source.draft_rows.detach()[old].to(adapter.draft_rows)
+    return {"directory": str(Path(directory).resolve()), "draft_rows_carried": carried,
+            "draft_rows": 0 if adapter.draft_rows is None else len(adapter.draft_rows)}
 
 
 # -- loss and metrics ------------------------------------------------------------------------------------------------
@@ -474,6 +502,11 @@ def train_adapter(backend, prompts_file: str | Path | None, work_dir: str | Path
         adapter.set_draft_vocab(vocab, head)
         vocab_report = {"size": len(vocab), "heldout_coverage": vocab_coverage(heldout_records, vocab)}
         log(f"draft vocabulary: {len(vocab)} tokens cover {vocab_report['heldout_coverage']:.3f} of held-out answer tokens")
+    warm = None
+    if config.init_from:
+        warm = warm_start(adapter, config.init_from, model, base_fingerprint=backend.fingerprint,
+                          exit_layer=config.exit_layer)
+        log(f"starting from {config.init_from} ({warm['draft_rows_carried']} of {warm['draft_rows']} draft rows trained)")
     vocab_index = vocab_index_of(adapter)
     adapter.train()
     params = [p for p in adapter.parameters() if p.requires_grad]
@@ -549,6 +582,7 @@ def train_adapter(backend, prompts_file: str | Path | None, work_dir: str | Path
         "history": history,
         "final": final,
         "draft_vocab": vocab_report,
+        "init_from": warm,
         "adapter_parameters": sum(p.numel() for p in adapter.parameters()),
     }
     (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")

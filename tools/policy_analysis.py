@@ -276,9 +276,10 @@ def policy_factories(specs: Sequence[tuple[str, str, dict]], engine: Any) -> dic
     return factories
 
 
-def run_analysis(engine: Any, questions: Sequence[Any], specs: Sequence[tuple[str, str, dict]], *, max_new_tokens: int,
-                 progress: bool = True, etas: Sequence[float] = ETA_GRID) -> dict[str, Any]:
-    """Answer every question turn with the target alone, replay every policy on it, measure the costs."""
+def target_answers(engine: Any, questions: Sequence[Any], *, max_new_tokens: int,
+                   progress: bool = True) -> list[tuple[str, list[int], list[int]]]:
+    """``(subtask, prompt ids, the target's greedy answer)`` for every question turn (a conversation goes on with the
+    target's own answer): what every drafter is replayed on."""
     import sys
 
     from tqdm import tqdm
@@ -286,30 +287,43 @@ def run_analysis(engine: Any, questions: Sequence[Any], specs: Sequence[tuple[st
     from kangaroo_core.engine import Engine
     from kangaroo_policies.fixed import FixedPolicy
 
-    backend, drafter, gamma = engine.backend, engine.drafter, engine.config.gamma
-    if drafter is None:
-        raise ValueError("analyze-policies needs a drafter")
-    alone = Engine(backend, None, FixedPolicy(), engine.verifier, engine.config)
-    factories = policy_factories(specs, engine)
-    records: list[AnswerRecord] = []
-    first_prompt: list[int] | None = None
-    turns = sum(len(q.turns) for q in questions)
-    with tqdm(total=turns, desc="analyze", unit="turn", file=sys.stderr, disable=not progress) as bar:
+    alone = Engine(engine.backend, None, FixedPolicy(), engine.verifier, engine.config)
+    turns: list[tuple[str, list[int], list[int]]] = []
+    total = sum(len(q.turns) for q in questions)
+    with tqdm(total=total, desc="target alone", unit="turn", file=sys.stderr, disable=not progress) as bar:
         for question in questions:
             history: list[dict[str, str]] = []
             for text in question.turns:
                 messages = history + [{"role": "user", "content": text}]
                 prompt = engine.encode(messages)
-                first_prompt = first_prompt or prompt
-                result = alone.generate_ids(prompt, max_new_tokens)
-                answer = list(result.token_ids)
-                replay = replay_answer(backend, drafter, question.subtask, prompt, answer, gamma=gamma,
-                                       max_new_tokens=max_new_tokens)
-                records.append(analyze_answer(replay, factories, gamma, etas))
+                answer = list(alone.generate_ids(prompt, max_new_tokens).token_ids)
+                turns.append((question.subtask, prompt, answer))
                 history = messages + [{"role": "assistant",
-                                       "content": backend.tokenizer.decode(answer, skip_special_tokens=True)}]
+                                       "content": engine.backend.tokenizer.decode(answer, skip_special_tokens=True)}]
                 bar.update(1)
-    costs = measure_costs(backend, drafter, first_prompt or [0], gamma)
+    return turns
+
+
+def run_analysis(engine: Any, questions: Sequence[Any], specs: Sequence[tuple[str, str, dict]], *, max_new_tokens: int,
+                 progress: bool = True, etas: Sequence[float] = ETA_GRID,
+                 answers: Sequence[tuple[str, list[int], list[int]]] | None = None) -> dict[str, Any]:
+    """Answer every question turn with the target alone (or take ``answers`` from :func:`target_answers`), replay
+    every policy on it, measure the costs."""
+    import sys
+
+    from tqdm import tqdm
+
+    backend, drafter, gamma = engine.backend, engine.drafter, engine.config.gamma
+    if drafter is None:
+        raise ValueError("analyze-policies needs a drafter")
+    if answers is None:
+        answers = target_answers(engine, questions, max_new_tokens=max_new_tokens, progress=progress)
+    factories = policy_factories(specs, engine)
+    records: list[AnswerRecord] = []
+    for subtask, prompt, answer in tqdm(answers, desc="replay", unit="turn", file=sys.stderr, disable=not progress):
+        replay = replay_answer(backend, drafter, subtask, prompt, answer, gamma=gamma, max_new_tokens=max_new_tokens)
+        records.append(analyze_answer(replay, factories, gamma, etas))
+    costs = measure_costs(backend, drafter, answers[0][1] if answers else [0], gamma)
     return {
         "answers": len(records),
         "answer_tokens": sum(len(r.correct) + 1 for r in records),
@@ -319,6 +333,31 @@ def run_analysis(engine: Any, questions: Sequence[Any], specs: Sequence[tuple[st
         "eta": eta_curves(records, costs, gamma, etas),
         "policies": compare_policies(records, costs, gamma, [label for label, _, _ in specs]),
     }
+
+
+def drafters_markdown(results: dict[str, dict[str, Any]], info: dict[str, Any]) -> str:
+    """Drafters side by side (``analyze-policies --adapters``): each one's CTAR(1..gamma) and CR under every replayed
+    policy on the same target answers, and its measured draft step."""
+    names = list(results)
+    first = results[names[0]]["costs"]["t_draft"]
+    lines = ["# kangaroo analyze-policies: drafters side by side", "", f"- command: `{info.get('command', '')}`",
+             f"- answers: {results[names[0]]['answers']} question turns, the target's own greedy answers, replayed "
+             "exactly for each drafter (teacher-forced: every round's drafts are what the drafter proposes there)"]
+    rows = [[name, 1e3 * r["costs"]["t_draft"], r["costs"]["t_draft"] / first, r["costs"]["draft_cost_per_verify"]]
+            for name, r in results.items()]
+    lines += _table("Draft step (measured, median)", ["drafter", "ms", f"× {names[0]}", "in one-token verify passes"],
+                    rows)
+    gamma = results[names[0]]["gamma"]
+    for label in results[names[0]]["policies"]:
+        rows = []
+        for name, r in results.items():
+            o = r["policies"][label]["overall"]
+            rows.append([name, o["cr"], *(o["ctar"] or [None] * gamma), o["drafts_per_round"], o["predicted_speedup"]])
+        lines += _table(f"Policy `{label}`", ["drafter", "CR", *(f"CTAR({w})" for w in range(1, gamma + 1)),
+                                             "drafts/round", "predicted speedup"], rows)
+    lines += ["", "CTAR(w): share of rounds whose first w drafts were all accepted; under `fixed` every round drafts "
+              "gamma tokens, so its CTAR is the drafter's own acceptance, free of any stopping rule."]
+    return "\n".join(lines) + "\n"
 
 
 def _table(title: str, header: list[str], rows: list[list[Any]]) -> list[str]:

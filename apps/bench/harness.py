@@ -27,7 +27,7 @@ CTAR_WINDOWS = 6
 #: The keys every per-subtask / overall entry of results.json has.
 METRIC_KEYS = ("new_tokens", "seconds", "tokens_per_second", "mean_accepted_tokens", "ctar", "identical_to_vanilla",
                "identical_turns", "identical_to_target_alone", "identical_to_target_alone_turns", "mean_drafted",
-               "draft_share", "verify_share", "runs")
+               "draft_share", "verify_share", "draft_ms", "runs")
 
 
 @attrs.frozen
@@ -189,6 +189,9 @@ def metrics(records: Sequence[Record], greedy: bool) -> dict[str, Any]:
             verify = sum(x.verify_seconds for x in rounds)
             if draft + verify > 0:
                 out["draft_share"], out["verify_share"] = draft / (draft + verify), verify / (draft + verify)
+            drafted = sum(x.drafted for x in rounds)
+            if drafted:  # the drafter's cost per drafted token in the loop (its catch-up steps included)
+                out["draft_ms"] = 1000 * draft / drafted
     elif results and all(r.target_passes for r in results):
         generated = sum(r.generated_tokens if r.generated_tokens is not None else len(r.token_ids) for r in results)
         out["mean_accepted_tokens"] = generated / sum(r.target_passes for r in results)

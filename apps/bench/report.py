@@ -68,7 +68,7 @@ def results_markdown(summary: dict[str, Any], subtasks: list[str], info: dict[st
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += ["", "## Details (overall)", ""]
     header = ["Method", "new tokens", "seconds", "tokens/s", "CR", f"CTAR(1..{CTAR_WINDOWS})", "drafts/round",
-              "draft / verify time", "identical", "= its target alone"]
+              "ms / draft", "draft / verify time", "identical", "= its target alone"]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "|".join(["---"] + ["---:"] * (len(header) - 2) + ["---"]) + "|")
     for label, entry in methods.items():
@@ -77,11 +77,13 @@ def results_markdown(summary: dict[str, Any], subtasks: list[str], info: dict[st
         split = (f"{100 * o['draft_share']:.0f}% / {100 * o['verify_share']:.0f}%" if o["draft_share"] is not None
                  else "–")
         lines.append(f"| {label} | {o['new_tokens']} | {_fmt(o['seconds'])} | {_fmt(o['tokens_per_second'], '.1f')} | "
-                     f"{_fmt(o['mean_accepted_tokens'])} | {ctar} | {_fmt(o['mean_drafted'])} | {split} | "
+                     f"{_fmt(o['mean_accepted_tokens'])} | {ctar} | {_fmt(o['mean_drafted'])} | "
+                     f"{_fmt(o.get('draft_ms'))} | {split} | "
                      f"{_identical(o)} | {_yes(o.get('identical_to_target_alone'))} |")
     lines += ["", "CR: mean tokens emitted per full target (verification) pass; for the transformers methods, new tokens "
               "per full-depth forward pass (prefill included). CTAR(w): share of verify rounds whose first w drafts "
-              "were all accepted. Draft / verify time: share of the decode loop spent drafting vs verifying. "
+              "were all accepted. ms / draft: the drafter's time in the loop per drafted token (M[:l], the "
+              "adapter and its head; catch-up steps included). Draft / verify time: share of the decode loop spent drafting vs verifying. "
               "= its target alone: every turn equals the same backend's target alone (a method whose `target_alone` "
               "ran too; lossless by construction even where that backend differs from transformers by design)."]
     errors = {label: e["error"] for label, e in methods.items() if e["error"]}
@@ -191,7 +193,8 @@ def write_adapters(out: Path, summary: dict[str, Any], points: list[dict[str, An
     json_path = write_json(out / "adapters.json", {"adapters": rows})
     plt = _pyplot()
     fig, (ax_cr, ax_speed) = plt.subplots(1, 2, figsize=(10, 4))
-    names = [f"{r['name']}\nl={r['exit_layer']}" for r in rows]
+    several = len({r.get("method") for r in rows}) > 1
+    names = [(f"{r['method']}\n" if several else "") + f"{r['name']}\nl={r['exit_layer']}" for r in rows]
     ax_cr.bar(names, [r["mean_accepted_tokens"] or 0 for r in rows])
     ax_speed.bar(names, [r["speedup"] or 0 for r in rows])
     ax_cr.set_ylabel("CR (mean accepted tokens per verify)")
