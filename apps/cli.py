@@ -694,7 +694,8 @@ def analyze_policies_command(questions_file, out_dir, policies, limit_per_subtas
         files += [write_json(where / "calibration.json", {"run": info, "calibration": result["calibration"]}),
                   write_json(where / "optimal_eta.json", {"run": info, "costs": result["costs"], "eta": result["eta"]}),
                   write_json(where / "policies.json", {"run": info, "costs": result["costs"],
-                                                       "policies": result["policies"]})]
+                                                       "policies": result["policies"],
+                                                       "drafted_exact": result["drafted_exact"]})]
         plot_calibration(result["calibration"], where / "calibration.png")
         plot_eta_curves(result["eta"], where / "eta_curves.png")
         (where / "analysis.md").write_text(analysis_markdown(result, info))
@@ -708,7 +709,8 @@ def analyze_policies_command(questions_file, out_dir, policies, limit_per_subtas
         run = {"command": command_line(), "questions": str(questions_file), "max_new_tokens": opts.max_new_tokens,
                "adapters": [str(p) for p in paths]}
         files.append(write_json(out / "drafters.json", {
-            "run": run, "drafters": {name: {"costs": r["costs"], "policies": r["policies"]} for name, r in results.items()}}))
+            "run": run, "drafters": {name: {"costs": r["costs"], "policies": r["policies"], "drafted_exact": r["drafted_exact"]}
+                             for name, r in results.items()}}))
         (out / "drafters.md").write_text(drafters_markdown(results, run))
         files.append(out / "drafters.md")
     click.echo(f"wrote {', '.join(str(f) for f in files)}")

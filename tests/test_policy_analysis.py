@@ -152,11 +152,13 @@ def test_analyze_policies_replays_several_adapters_on_the_same_answers(tiny_mode
     from kangaroo_backends.loading import load_model
     from kangaroo_backends.torch_backend import model_fingerprint
     from kangaroo_plugins.kangaroo.adapter import KangarooAdapter
+    from kangaroo_plugins.kangaroo.deep_context import DeepContextAdapter
+    from kangaroo_tools.policy_analysis import PAST_A_REJECTION
 
     model, _, _ = load_model(str(tiny_model_dir))
     dirs = []
-    for name, seed in (("plain", None), ("shaken", 0)):
-        adapter = KangarooAdapter.from_base_layer(model, 1)
+    for name, seed, kind in (("plain", None, KangarooAdapter), ("shaken", 0, DeepContextAdapter)):
+        adapter = kind.from_base_layer(model, 1)
         if seed is not None:  # another drafter: other drafts, other acceptance
             torch.manual_seed(seed)
             with torch.no_grad():
@@ -183,7 +185,10 @@ def test_analyze_policies_replays_several_adapters_on_the_same_answers(tiny_mode
     # the same target answers: as many rounds' tokens for each
     assert len({f["rounds"] * f["cr"] for f in fixed}) == 1
     text = (out / "drafters.md").read_text()
-    assert "CTAR(3)" in text and "| shaken |" in text
+    assert "CTAR(3)" in text and "| plain |" in text
+    # the deep-context drafter's drafts past a rejection are not replayed: its drafts/round is marked a lower bound
+    assert [drafters[n]["drafted_exact"] for n in drafters] == [True, False]
+    assert "| shaken * |" in text and PAST_A_REJECTION in text
     code = main(["analyze-policies", "--model", str(tiny_model_dir), "--out", str(tmp_path / "bad"),
                  "--adapters", str(tmp_path)])
     assert code == 2 and "not an adapter directory" in capsys.readouterr().err
