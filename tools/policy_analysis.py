@@ -329,7 +329,7 @@ def run_analysis(engine: Any, questions: Sequence[Any], specs: Sequence[tuple[st
         "answer_tokens": sum(len(r.correct) + 1 for r in records),
         "gamma": gamma,
         # a drafter that reads deep states is replayed without the drafts that follow a rejected one (tools.replay)
-        "drafted_exact": not getattr(getattr(drafter, "adapter", None), "reads_deep_states", False),
+        "drafted_exact": not drafter.wants_deep_states,
         "costs": costs.as_dict(),
         "calibration": calibration(records),
         "eta": eta_curves(records, costs, gamma, etas),
@@ -354,14 +354,14 @@ def drafters_markdown(results: dict[str, dict[str, Any]], info: dict[str, Any]) 
         rows = []
         for name, r in results.items():
             o = r["policies"][label]["overall"]
-            mark = "" if r.get("drafted_exact", True) else " *"
+            mark = "" if r["drafted_exact"] else " *"
             rows.append([name + mark, o["cr"], *(o["ctar"] or [None] * gamma), o["drafts_per_round"],
                          o["predicted_speedup"]])
         lines += _table(f"Policy `{label}`", ["drafter", "CR", *(f"CTAR({w})" for w in range(1, gamma + 1)),
                                              "drafts/round", "predicted speedup"], rows)
     lines += ["", "CTAR(w): share of rounds whose first w drafts were all accepted; under `fixed` every round drafts "
               "gamma tokens, so its CTAR is the drafter's own acceptance, free of any stopping rule."]
-    if not all(r.get("drafted_exact", True) for r in results.values()):
+    if not all(r["drafted_exact"] for r in results.values()):
         lines += ["", "\\* " + PAST_A_REJECTION]
     return "\n".join(lines) + "\n"
 
@@ -405,7 +405,7 @@ def analysis_markdown(result: dict[str, Any], info: dict[str, Any]) -> str:
     lines += _table("Policies (simulated exactly on the target's greedy answers)",
                     ["policy", "CR", "CTAR(1)", "CTAR(2)", "drafts/round", "wasted drafts/round", "predicted speedup"],
                     policy_rows)
-    if not result.get("drafted_exact", True):
+    if not result["drafted_exact"]:
         lines += ["", PAST_A_REJECTION]
     return "\n".join(lines) + "\n"
 
