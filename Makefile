@@ -14,7 +14,7 @@ MAX_NEW_TOKENS ?= 64
 # the exact tested set (pyproject.toml holds the supported ranges)
 CONSTRAINTS = -c constraints.txt
 
-.PHONY: install browser demo test test-extra test-avx2 test-avx2-native test-avx2-emulated docs
+.PHONY: install browser demo test test-extra test-avx2 test-avx2-native test-avx2-emulated docs llama-cpp llama-cpp-avx2
 
 # The row-exactness and losslessness tests of the 4-bit kernels, on the paths of a CPU without AVX-512.
 AVX2_TESTS = tests/test_block_kernels.py tests/test_gguf_nbits.py
@@ -71,3 +71,21 @@ test-avx2-emulated: install
 
 docs:
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+# The peer, llama.cpp (llama-cpp-python builds it from source: minutes on 2 cores), for `kangaroo bench --methods
+# llama_cpp`: `llama-cpp` with its default flags for this CPU, into the environment; `llama-cpp-avx2` for an AVX2-only
+# CPU (x86-64-v3: no AVX-512 kernel compiled in) into LLAMA_AVX2_DIR, which the forced-AVX2 runs put on PYTHONPATH
+# (--no-cache-dir: pip's wheel cache does not tell the two builds apart):
+#   PYTHONPATH=$(LLAMA_AVX2_DIR) $(AVX2_CAPS) kangaroo bench --methods llama_cpp,...
+LLAMA_AVX2_DIR = .llama-cpp-avx2
+LLAMA_AVX2_CMAKE = -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+	-DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF
+# every kernel path this repository can cap at AVX2: kangaroo's own, torch's ATen and the oneDNN kernels torch calls
+AVX2_CAPS = KANGAROO_ISA=avx2 KANGAROO_MARCH=x86-64-v3 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+
+llama-cpp:
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PIP) install -q $(CONSTRAINTS) --no-cache-dir --no-binary llama-cpp-python llama-cpp-python
+
+llama-cpp-avx2: llama-cpp
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) CMAKE_ARGS="$(LLAMA_AVX2_CMAKE)" $(PIP) install -q $(CONSTRAINTS) --no-cache-dir --no-deps \
+		--no-binary llama-cpp-python --upgrade --target $(LLAMA_AVX2_DIR) llama-cpp-python

@@ -333,7 +333,8 @@ def bench(questions_file, out_dir, methods, limit_per_subtask, repeats, no_warmu
         raise UsageError(f"--baseline {baseline!r} is not one of the measured methods: {', '.join(s.label for s in specs)}")
     backend_obj = opts.backend()  # at the shipped adapter's layer unless --exit-layer says otherwise
     context = BenchContext(backend_obj, opts.spec())
-    run = run_bench(context, build_methods(specs, context), questions, max_new_tokens=max_new_tokens, repeats=repeats,
+    methods = build_methods(specs, context)
+    run = run_bench(context, methods, questions, max_new_tokens=max_new_tokens, repeats=repeats,
                     warmup=not no_warmup, progress=not no_progress)
     summary = summarize(run, baseline)
     counts = {s: sum(q.subtask == s for q in questions) for s in run.subtasks}
@@ -350,6 +351,9 @@ def bench(questions_file, out_dir, methods, limit_per_subtask, repeats, no_warmu
         "cpu": cpu_line(),
         "cpu_details": cpu_description(),
     }
+    builds = {label: method.build() for label, method in methods if label not in run.errors}
+    if any(builds.values()):
+        info["builds"] = {label: line for label, line in builds.items() if line}
     files = write_outputs(out, summary, run.subtasks, info)
     if sweep_points:
         files += write_sweep(out, summary, sweep_points)

@@ -36,6 +36,14 @@ MARCH_ENV = "KANGAROO_MARCH"
 MAX_ROWS = 8  # rows the linear kernel computes per sweep of a weight block (more rows: chunks of 8 over that block)
 
 
+@functools.cache
+def sources_digest() -> str:
+    """A digest of every C source this package builds: measurements of its kernels (the cost policy's curves) are
+    stale once one of them changes."""
+    files = sorted(f for f in resources.files("kangaroo_backends").iterdir() if f.name.endswith(".c"))
+    return hashlib.sha256(b"".join(f.name.encode() + f.read_bytes() for f in files)).hexdigest()[:16]
+
+
 def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 

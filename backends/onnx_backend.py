@@ -44,6 +44,7 @@ from kangaroo_backends.onnx_bundle import (BIAS_INPUTS, EXPORT_KEY, GRAPHS, MANI
 from kangaroo_backends.onnx_export import export_onnx
 from kangaroo_backends.onnx_toolkit import attention_bias, import_onnxruntime
 from kangaroo_backends.kv_cache import check_start
+from kangaroo_backends.native import sources_digest
 from kangaroo_backends.torch_backend import describe_split_model
 from kangaroo_core.config import ConfigError, DecodeConfig
 from kangaroo_core.errors import OnnxModelError, ProviderError
@@ -364,6 +365,11 @@ class OnnxBackend(Backend):
     whose threads busy-wait between the ops of a run; default ``none``; ``deep`` speeds up the 4-bit int8 target alone
     at 2+ threads, not drafting), ``attention`` (:data:`ATTENTION`).
     """
+
+    @property
+    def kernel_sources(self) -> str:
+        """A digest of the package's C kernels (:func:`~kangaroo_backends.native.sources_digest`)."""
+        return sources_digest()
 
     name = "onnx"
     runtime = "onnxruntime"

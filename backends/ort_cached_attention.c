@@ -161,7 +161,7 @@ static OrtStatus *tensor(OrtKernelContext *ctx, size_t index, float **data, int6
 
 static void run_scores(void *job, size_t item) {
     const attention_job *j = job;
-    float kt[16 * j->d];
+    float kt[W * j->d];
     score_item(j, (long)item, kt);
 }
 

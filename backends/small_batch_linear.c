@@ -13,6 +13,11 @@
  * Every output element is computed in the same order whatever n is (16-lane partial sums over `in`, then one fixed
  * reduction tree, the same additions whether one vector is reduced alone or sixteen side by side), so a row's result
  * does not depend on how many other rows came with it.
+ *
+ * Without AVX-512 a 16-lane vector has no register to live in (every operation on it goes through memory: several
+ * times slower, docs/backends.md "Kernels on an AVX2-only CPU"), so there the same 16 partial sums are kept as two
+ * 8-lane halves, each summed in its own sweep over `in` (the second reads the weights from L1), and reduced with the
+ * same tree: the same additions per output element, the same bits as the AVX-512 build.
  * Built at first use by kangaroo_backends.native with the system C compiler; never required (plain path otherwise).
  */
 #include <string.h>
@@ -26,6 +31,18 @@ typedef float v4 __attribute__((vector_size(16)));
 #define PREFETCH 9216
 #define PREFETCH_LOCALITY 2
 
+/* In a KERNEL (passing its NP on): the outputs of weight rows r..r+m-1 for its NP input rows, each its reduced lane
+ * sums (sums[j * NP + p]) plus, in order, the elements from K0 on that no whole 16-element step covered */
+#define STORE_ROWS(K0, NP)                                                                                \
+    for (int j = 0; j < m; j++)                                                                           \
+        for (int p = 0; p < NP; p++) {                                                                    \
+            const float *wr = w + (r + j) * in;                                                           \
+            float s = sums[j * NP + p];                                                                   \
+            for (long t = (K0); t < in; t++) s += wr[t] * x[p * in + t];                                  \
+            y[p * out + r + j] = s;                                                                       \
+        }
+
+#if defined(__AVX512F__)
 static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
 
 static inline float hsum16(v16 v) {
@@ -92,17 +109,82 @@ static void rows_##NP(const float *x, const float *w, float *y, long in, long ou
             }                                                                                             \
         else                                                                                              \
             for (int i = 0; i < R * NP; i++) sums[i] = hsum16(acc[i / NP][i % NP]);                       \
-        for (int j = 0; j < m; j++)                                                                       \
-            for (int p = 0; p < NP; p++) {                                                                \
-                const float *wr = w + (r + j) * in;                                                       \
-                float s = sums[j * NP + p];                                                               \
-                for (long t = k; t < in; t++) s += wr[t] * x[p * in + t];                                 \
-                y[p * out + r + j] = s;                                                                   \
-            }                                                                                             \
+        STORE_ROWS(k, NP)                                                                                 \
     }                                                                                                     \
 }
 /* 4 weight rows per step up to 4 input rows (16 accumulators), 2 beyond (measured best on 576/1536-wide rows) */
 KERNEL(1, 4) KERNEL(2, 4) KERNEL(3, 2) KERNEL(4, 2) KERNEL(5, 2) KERNEL(6, 2) KERNEL(7, 2) KERNEL(8, 2)
+#else
+static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
+
+/* hsum16 of a vector given as its halves' sum a = v[0:8] + v[8:16] (hsum16's first step): its remaining additions */
+static inline float hsum8(v8 a) {
+    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* hsum8 of 8 vectors at once (lane i: hsum8(a[i])), with exactly hsum8's additions */
+static inline v8 hsum8x8(const v8 *a) {
+    v8 s[4], u[2];
+    for (int i = 0; i < 4; i++)  /* lanes m and m + 4 */
+        s[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11)
+             + __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; i++)  /* b0 + b2, b1 + b3 */
+        u[i] = __builtin_shufflevector(s[2 * i], s[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13)
+             + __builtin_shufflevector(s[2 * i], s[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+    return __builtin_shufflevector(u[0], u[1], 0, 2, 4, 6, 8, 10, 12, 14)
+         + __builtin_shufflevector(u[0], u[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+
+/* KERNEL's arithmetic in 8-lane halves: lanes 0-7 of every 16-element step in one sweep over `in`, lanes 8-15 in a
+ * second (R*NP accumulators live at a time, within AVX2's 16 registers), then each output's halves added and reduced
+ * as hsum16 does */
+#define KERNEL(NP, R)                                                                                     \
+static void rows_##NP(const float *x, const float *w, float *y, long in, long out, long r0, long r1) {    \
+    for (long r = r0; r < r1; r += R) {                                                                   \
+        long m = r1 - r < R ? r1 - r : R;                                                                 \
+        long k16 = in & ~15L;                                                                             \
+        v8 half[2][R][NP];                                                                                \
+        for (int h = 0; h < 2; h++) {                                                                     \
+            v8 acc[R][NP];                                                                                \
+            for (int j = 0; j < R; j++)                                                                   \
+                for (int p = 0; p < NP; p++) acc[j][p] = (v8){0};                                         \
+            if (m == R) {                                                                                 \
+                for (long k = 8 * h; k < k16; k += 16) {                                                  \
+                    v8 u[R];                                                                              \
+                    for (int j = 0; j < R; j++) {                                                         \
+                        if (!h) __builtin_prefetch(w + (r + j) * in + k + PREFETCH, 0, PREFETCH_LOCALITY); \
+                        u[j] = load8(w + (r + j) * in + k);                                               \
+                    }                                                                                     \
+                    for (int p = 0; p < NP; p++) {                                                        \
+                        v8 xv = load8(x + p * in + k);                                                    \
+                        for (int j = 0; j < R; j++) acc[j][p] += u[j] * xv;                               \
+                    }                                                                                     \
+                }                                                                                         \
+            } else {                                                                                      \
+                for (long k = 8 * h; k < k16; k += 16)                                                    \
+                    for (int j = 0; j < m; j++) {                                                         \
+                        v8 u = load8(w + (r + j) * in + k);                                               \
+                        for (int p = 0; p < NP; p++) acc[j][p] += u * load8(x + p * in + k);              \
+                    }                                                                                     \
+            }                                                                                             \
+            memcpy(half[h], acc, sizeof acc);                                                             \
+        }                                                                                                 \
+        float sums[R * NP + 7];  /* sums[j * NP + p] = hsum16 of output (j, p) */                        \
+        for (int g = 0; g < R * NP; g += 8) {                                                             \
+            v8 group[8];                                                                                  \
+            for (int i = 0; i < 8; i++)                                                                   \
+                group[i] = g + i < R * NP ? half[0][(g + i) / NP][(g + i) % NP] + half[1][(g + i) / NP][(g + i) % NP] \
+                                          : (v8){0};                                                      \
+            v8 h = hsum8x8(group);                                                                        \
+            memcpy(sums + g, &h, sizeof h);                                                               \
+        }                                                                                                 \
+        STORE_ROWS(k16, NP)                                                                               \
+    }                                                                                                     \
+}
+/* weight rows per step: R * NP accumulators + R weight vectors within 16 registers */
+KERNEL(1, 4) KERNEL(2, 4) KERNEL(3, 2) KERNEL(4, 2) KERNEL(5, 1) KERNEL(6, 1) KERNEL(7, 1) KERNEL(8, 1)
+#endif
 
 typedef void (*rows_fn)(const float *, const float *, float *, long, long, long, long);
 static const rows_fn ROWS[9] = {0, rows_1, rows_2, rows_3, rows_4, rows_5, rows_6, rows_7, rows_8};

@@ -26,7 +26,7 @@ from kangaroo_backends.graph_passes import MAX_WIDTH, StaticKVCache
 from kangaroo_backends.hf_compat import cache_keyword
 from kangaroo_backends.kv_cache import KVCache, causal_mask, check_start
 from kangaroo_backends.loading import load_model
-from kangaroo_backends.native import small_batch_attention, small_batch_kernel
+from kangaroo_backends.native import small_batch_attention, small_batch_kernel, sources_digest
 from kangaroo_backends.torch_captured import (GRAPHS, DEFAULT_CACHE_SIZE, DEFAULT_GRAPH_ROWS, CapturedPasses,
                                               check_graph_options)
 from kangaroo_backends.torch_ragged import RaggedPasses
@@ -93,6 +93,11 @@ class TorchBackend(CapturedPasses, RaggedPasses, Backend):
     everywhere) so verifying n <= 8 positions costs about one forward; ``"plain"`` runs transformers' layers as they
     are; ``"small-batch"`` is "auto" that refuses to fall back.
     """
+
+    @property
+    def kernel_sources(self) -> str:
+        """A digest of the package's C kernels (:func:`~kangaroo_backends.native.sources_digest`)."""
+        return sources_digest()
 
     name = "torch"
     runtime = "torch"

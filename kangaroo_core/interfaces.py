@@ -493,3 +493,7 @@ class BenchMethod(abc.ABC):
     @abc.abstractmethod
     def run(self, messages: Messages, max_new_tokens: int) -> MethodResult:
         """Reply to a conversation (a list of ``{"role", "content"}`` ending with a user turn)."""
+
+    def build(self) -> str | None:
+        """After :meth:`prepare`: one line naming a peer library the method runs (version, instruction sets); None."""
+        return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import platform
 from pathlib import Path
 
@@ -35,13 +36,13 @@ def cpu_identity() -> str:
 #: the instruction-set extensions the kernels choose between, named in a bench's results
 KERNEL_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16",
                 "amx_tile", "asimd", "asimddp", "sve")
+#: what caps the kernel paths below the CPU's: kangaroo's own kernels, torch's ATen and the oneDNN ones torch calls
+ISA_CAPS = ("KANGAROO_ISA", "KANGAROO_MARCH", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
 
 
 def cpu_description() -> dict[str, str]:
     """The CPU a measurement ran on, for results files: model name, family/model/stepping, the kernel-relevant flags,
-    the count of logical CPUs, and ``KANGAROO_ISA`` when it caps the 4-bit kernels below what the CPU has."""
-    import os
-
+    the count of logical CPUs, and the caps on the kernel paths in force (:func:`forced_paths`), if any."""
     first = _cpuinfo()
     flags = set((first.get("flags") or first.get("Features") or "").split())
     out = {"model": first.get("model name") or platform.processor() or platform.machine(),
@@ -54,13 +55,10 @@ def cpu_description() -> dict[str, str]:
 
 
 def forced_paths() -> str:
-    """The kernel paths capped below what the CPU has (``KANGAROO_ISA``, ``KANGAROO_MARCH``), e.g. to run an
-    AVX2-only CPU's paths on an AVX-512 one; empty when none is."""
-    import os
-
-    caps = [f"{name}={os.environ[name]}" for name in ("KANGAROO_ISA", "KANGAROO_MARCH")
-            if os.environ.get(name, "auto") not in ("", "auto", "native")]
-    return " ".join(caps)
+    """The kernel paths capped below what the CPU has (:data:`ISA_CAPS`), e.g. to run an AVX2-only CPU's paths on an
+    AVX-512 one; empty when none is."""
+    return " ".join(f"{name}={os.environ[name]}" for name in ISA_CAPS
+                    if os.environ.get(name, "auto").lower() not in ("", "auto", "native", "all"))
 
 
 def cpu_line(description: dict[str, str] | None = None) -> str:

@@ -9,6 +9,7 @@ prompt token ids as every other method and as many threads as torch uses, and re
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,6 +57,20 @@ class LlamaCpp(BenchMethod):
                 break
         seconds = time.perf_counter() - start
         return MethodResult(token_ids=out, seconds=seconds)  # one token per pass: not a drafting method (CR: –)
+
+    def build(self) -> str:
+        """llama-cpp-python's version and the instruction sets its llama.cpp was built with (``make llama-cpp-avx2``
+        builds one without AVX-512, for the forced-AVX2 runs); flagged when kangaroo's paths are capped at AVX2 and
+        this build is not."""
+        import llama_cpp
+
+        from kangaroo_core.machine import forced_paths
+
+        features = llama_cpp.llama_print_system_info().decode(errors="replace").strip().strip("|").strip()
+        line = f"llama-cpp-python {llama_cpp.__version__} ({Path(llama_cpp.__file__).parent}): {features}"
+        if "avx2" in forced_paths().lower() and "AVX512 = 1" in features:
+            line += " · NOT capped at AVX2 (make llama-cpp-avx2, then PYTHONPATH=.llama-cpp-avx2)"
+        return line
 
 
 @hookimpl

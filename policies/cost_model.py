@@ -310,12 +310,13 @@ def with_round_contexts(curve: CostCurve, backend, drafter, *, repeats: int) -> 
 
 
 def cost_key(backend, drafter) -> dict:
-    """Everything a measured curve depends on: the machine, the backend and its kernels, dtype, threads, the model,
-    its exit layer and the drafter."""
+    """Everything a measured curve depends on: the machine, the backend and its kernels (their C sources too),
+    dtype, threads, the model, its exit layer and the drafter."""
     device = str(getattr(backend, "device", "cpu"))
     if device.startswith("cuda") and torch.cuda.is_available():
         device += ": " + torch.cuda.get_device_name(torch.device(device))
     return {"version": COST_VERSION, "machine": cpu_identity(), "forced_paths": forced_paths(), "device": device, "backend": backend.name, "kernels": _variant(backend),
+            "kernel_sources": str(getattr(backend, "kernel_sources", "")),
             "dtype": str(getattr(backend, "dtype", "")), "threads": torch.get_num_threads(),
             "model": str(getattr(backend, "fingerprint", backend.model_name)), "exit_layer": backend.exit_layer,
             "drafter": f"{getattr(drafter, 'name', '')}:{getattr(drafter, 'resolved_adapter', '')}"}

@@ -29,8 +29,9 @@ ALLOWED = {
     "kangaroo_apps": {"kangaroo_core", "kangaroo_backends", "kangaroo_policies", "kangaroo_plugins", "kangaroo_tools"},
 }
 #: the largest the core may grow (lines of Python): the small-core issue's 2,500, plus the batch loop
-#: (kangaroo_core/batching.py) that many-streams decoding added to the loop's own contract
-CORE_LINE_BUDGET = 2850
+#: (kangaroo_core/batching.py) that many-streams decoding added to the loop's own contract, and the bench's hook
+#: naming a peer's build (BenchMethod.build) with the kernel caps its results name (machine.ISA_CAPS)
+CORE_LINE_BUDGET = 2855
 
 
 def modules(root: Path = ROOT, packages: dict[str, str] = PACKAGES) -> dict[str, Path]:

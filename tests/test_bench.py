@@ -52,6 +52,9 @@ class EchoVanilla(BenchMethod):
         result = self.engine.generate(list(messages), max_new_tokens=max_new_tokens)
         return MethodResult(result.token_ids, result.seconds, rounds=result.rounds)
 
+    def build(self):  # a peer's library would name its version and instruction sets here
+        return "echo 1.0 (AVX2 = 1)"
+
 
 class Explodes(BenchMethod):
     name = "third_party_explodes"
@@ -120,6 +123,9 @@ def test_smoke_run_writes_every_output_with_the_schema(smoke):
     assert results["methods"]["hf_vanilla"]["overall"]["mean_accepted_tokens"] == 1.0
     md = (out / "results.md").read_text()
     assert "| kangaroo |" in md and "MT-bench" in md and "--max-new-tokens 8" in md
+    # a method naming its build has it in both files; kangaroo's own methods add nothing
+    assert results["run"]["builds"] == {"third_party_echo": "echo 1.0 (AVX2 = 1)"}
+    assert "- third_party_echo build: echo 1.0 (AVX2 = 1)" in md
 
 
 def test_every_greedy_method_is_identical_to_hf_vanilla(smoke):

@@ -412,3 +412,33 @@ def test_a_round_is_priced_at_the_context_its_answer_runs_at():
                                  short_context=64, short_round_ms=(10.0, 17.0))
     assert "| 64 | 10.0 | 17.0 |" in curve.table()  # what `kangaroo profile` prints
     assert cost_model.curve_from_dict(json.loads(json.dumps(attrs.asdict(curve)))) == curve  # as cached
+
+
+def test_every_kernel_cap_is_named_in_results_and_keys_its_own_cost_curve(monkeypatch):
+    from kangaroo_core import machine
+
+    class _Backend:
+        name, exit_layer, model_name = "torch", 2, "m"
+
+    for name in machine.ISA_CAPS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("KANGAROO_ISA", "auto")  # not a cap
+    assert machine.forced_paths() == "" and "forced_isa" not in machine.cpu_description()
+    uncapped = cost_model.cost_key(_Backend(), None)
+    monkeypatch.setenv("KANGAROO_ISA", "avx2")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")  # torch's own kernels capped too: a forced-AVX2 run's speed
+    assert machine.forced_paths() == "KANGAROO_ISA=avx2 ATEN_CPU_CAPABILITY=avx2"
+    assert machine.cpu_description()["forced_isa"] == machine.forced_paths()
+    assert cost_model.cost_key(_Backend(), None) != uncapped
+    rebuilt = _Backend()
+    rebuilt.kernel_sources = "another build of the kernels"  # a curve measured on other kernels is measured again
+    assert cost_model.cost_key(rebuilt, None) != cost_model.cost_key(_Backend(), None)
+
+
+def test_a_backend_s_kernel_sources_name_its_c_code():
+    from kangaroo_backends import native
+    from kangaroo_backends.onnx_backend import OnnxBackend
+    from kangaroo_backends.torch_backend import TorchBackend
+
+    digest = native.sources_digest()
+    assert len(digest) == 16 and TorchBackend.kernel_sources.fget(None) == OnnxBackend.kernel_sources.fget(None) == digest

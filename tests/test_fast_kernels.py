@@ -361,3 +361,55 @@ def test_the_torch_backend_places_the_weights_of_models_it_loads_only(tiny_model
     pointers = [p.data_ptr() for p in users.parameters()]
     TorchBackend(users, TinyTokenizer(64, None), 2, "t")
     assert [p.data_ptr() for p in users.parameters()] == pointers
+
+
+@needs_kernel
+def test_the_avx2_build_of_the_small_batch_kernels_gives_this_cpu_s_bits(monkeypatch, tmp_path):
+    """An AVX2-only CPU runs the kernels built for its 8-lane registers: a 16-lane GCC vector has no register there
+    and every operation on it went through memory (docs/backends.md, "Kernels on an AVX2-only CPU"). The 8-lane
+    build keeps each output's additions, so it gives the bits of this CPU's own build (16 lanes with AVX-512): a
+    row's result, and so a greedy answer, does not depend on the CPU generation. Built for x86-64-v3 here, whatever
+    this CPU is."""
+    import ctypes
+    from importlib import resources
+
+    cc = native.compiler()
+    monkeypatch.setenv("KANGAROO_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(native.MARCH_ENV, raising=False)
+    sources = {name: resources.files("kangaroo_backends").joinpath(name).read_bytes() for name in native.SOURCES}
+    builds = [native.build_library(cc, sources, native.FLAGS, "small_batch")]
+    monkeypatch.setenv(native.MARCH_ENV, "x86-64-v3")
+    builds.append(native.build_library(cc, sources, native.FLAGS, "small_batch"))
+    assert builds[0] != builds[1]
+    libraries = [ctypes.CDLL(str(path)) for path in builds]
+    for lib in libraries:
+        lib.small_batch_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
+        lib.small_batch_attention.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 10 + [ctypes.c_float, ctypes.c_int]
+    gen = torch.Generator().manual_seed(0)
+
+    def linear(lib, x, w):
+        y = torch.empty(x.shape[0], w.shape[0])
+        assert lib.small_batch_linear(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], w.shape[0], 2) == 0
+        return y
+
+    for rows in (1, 2, 3, 5, 8, 11):
+        for inner, out in ((576, 96), (72, 37), (40, 5)):  # widths with and without a 16-element remainder
+            x, w = torch.randn(rows, inner, generator=gen), torch.randn(out, inner, generator=gen)
+            wide, narrow = (linear(lib, x, w) for lib in libraries)
+            assert torch.equal(wide.view(torch.int32), narrow.view(torch.int32)), (rows, inner, out)
+
+    def attention(lib, q, k, v, mask):
+        rows, heads, d = q.shape
+        keys, kv_heads, _ = k.shape
+        out = torch.empty_like(q)
+        assert lib.small_batch_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), mask.data_ptr(), out.data_ptr(), heads,
+                                         kv_heads, rows, keys, d, d, heads * d, d, kv_heads * d, keys, 0.125, 2) == 0
+        return out
+
+    for rows, keys, d in ((1, 1, 64), (1, 300, 64), (3, 37, 64), (6, 129, 72), (2, 9, 256)):
+        q = torch.randn(rows, 9, d, generator=gen)
+        k, v = torch.randn(keys, 3, d, generator=gen), torch.randn(keys, 3, d, generator=gen)
+        mask = torch.zeros(rows, keys)
+        mask[:, keys // 2:] = torch.where(torch.rand(rows, keys - keys // 2, generator=gen) < 0.3, float("-inf"), 0.0)
+        wide, narrow = (attention(lib, q, k, v, mask) for lib in libraries)
+        assert torch.equal(wide.view(torch.int32), narrow.view(torch.int32)), (rows, keys, d)

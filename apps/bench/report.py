@@ -53,6 +53,8 @@ def results_markdown(summary: dict[str, Any], subtasks: list[str], info: dict[st
                 "torch_threads", "cpu"):
         if key in info:
             lines.append(f"- {key.replace('_', ' ')}: {info[key]}")
+    for label, line in info.get("builds", {}).items():
+        lines.append(f"- {label} build: {line}")
     lines += ["", f"## Speedup vs `{_baseline(summary)}` (Spec-Bench leaderboard layout)", ""]
     header = ["Method", *(_title(s) for s in subtasks), "#Mean accepted tokens", "Overall", "Identical to vanilla"]
     lines.append("| " + " | ".join(header) + " |")
