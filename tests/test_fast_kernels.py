@@ -17,6 +17,7 @@ from kangaroo_policies.cost_model import measure_costs
 from kangaroo_apps.cli import main
 from kangaroo_core.config import ConfigError, DecodeConfig
 from kangaroo_core.engine import Engine
+from kangaroo_core.machine import cpu_identity
 from kangaroo_apps.testing import TinyTokenizer, check_rows_exact, hf_greedy, tiny_llama, tiny_model
 from kangaroo_core.tree import TreeAttention
 from kangaroo_plugins.greedy_verifier import GreedyVerifier
@@ -364,6 +365,8 @@ def test_the_torch_backend_places_the_weights_of_models_it_loads_only(tiny_model
 
 
 @needs_kernel
+@pytest.mark.skipif("avx2" not in cpu_identity(),
+                    reason="builds and runs an x86-64-v3 library: needs an x86 CPU with AVX2")
 def test_the_avx2_build_of_the_small_batch_kernels_gives_this_cpu_s_bits(monkeypatch, tmp_path):
     """An AVX2-only CPU runs the kernels built for its 8-lane registers: a 16-lane GCC vector has no register there
     and every operation on it went through memory (docs/backends.md, "Kernels on an AVX2-only CPU"). The 8-lane
