@@ -313,12 +313,13 @@ class Engine:
             if self.tree is not None and max_drafts > 0:  # a token tree instead of a chain (kangaroo_core.tree_round)
                 done = tree_round(self, tokens, unseen, min(self.tree.depth, budget - 1), budget)
                 emitted, m, drafted, unseen = done.emitted, done.accepted, done.drafted, done.unseen
-                timings = (done.draft_seconds, done.verify_seconds)
+                timings, dropped = (done.draft_seconds, done.verify_seconds), 0
             else:
-                emitted, m, drafted, unseen, timings = self._chain_round(tokens, unseen, max_drafts, budget, generator)
+                emitted, m, drafted, dropped, unseen, timings = self._chain_round(tokens, unseen, max_drafts, budget,
+                                                                                  generator)
 
             output.extend(emitted)
-            rounds.append(RoundResult(drafted, m, len(emitted), *timings))
+            rounds.append(RoundResult(drafted, m, len(emitted), *timings, dropped=dropped))
             busy += time.perf_counter() - resumed
             yield Emitted(emitted, from_drafts=min(m, len(emitted)), drafted=drafted)
             resumed = time.perf_counter()
@@ -337,7 +338,7 @@ class Engine:
 
     def _chain_round(self, tokens: list[int], unseen: torch.Tensor, max_drafts: int, budget: int,
                      generator: torch.Generator):
-        """One chain round (steps 1-5 of the paper's loop); returns (emitted, m, drafted, unseen, timings)."""
+        """One chain round (steps 1-5 of the paper's loop); returns (emitted, m, drafted, dropped, unseen, timings)."""
         backend, drafter = self.backend, self.drafter
         eos = backend.eos_token_ids
         n = len(tokens) - 1
@@ -349,7 +350,7 @@ class Engine:
             unseen = torch.cat([unseen, h_last])
 
         # 2. draft_tokens: adapter + shared head, until the policy (second early exit) or gamma stops us.
-        drafts, h_drafts, unseen = self.draft_tokens(tokens, unseen, max_drafts, generator)
+        drafts, h_drafts, unseen, dropped = self.draft_tokens(tokens, unseen, max_drafts, generator)
         t1 = time.perf_counter()
 
         # 3. target_logits: one pass of M[l:] over the saved layer-l states of x_n, d_1..d_k.
@@ -370,7 +371,7 @@ class Engine:
             drafter.observe_deep(n, verified.hidden[: m + 1])
         t2 = time.perf_counter()
 
-        return emitted, m, len(drafts), unseen, (t1 - t0, t2 - t1)
+        return emitted, m, len(drafts), dropped, unseen, (t1 - t0, t2 - t1)
 
     def draft_tokens(
         self,
@@ -378,18 +379,19 @@ class Engine:
         unseen: torch.Tensor,
         max_drafts: int,
         generator: torch.Generator,
-    ) -> tuple[list[DraftStep], list[torch.Tensor], torch.Tensor]:
+    ) -> tuple[list[DraftStep], list[torch.Tensor], torch.Tensor, int]:
         """Propose up to ``max_drafts`` tokens after ``tokens``.
 
         ``unseen``: the layer-l states of positions ``drafter.seen..len(tokens)-1``. Each draft is the drafter's
         top-1 (greedy drafting: q is a point mass), or, with ``SamplingConfig.sample_drafts`` at temperature > 0, a
         draw from its processed distribution q. Returns the drafts, their layer-l states (one [1, d] each, to be
-        verified) and the states the drafter has still not seen (h(d_k) after the last draft).
+        verified), the states the drafter has still not seen (h(d_k) after the last draft) and how many drafts
+        were proposed but dropped unverified (0 or 1: the policy found a verify row for it not worth its cost).
         """
         drafts: list[DraftStep] = []
         states: list[torch.Tensor] = []
         if max_drafts == 0:
-            return drafts, states, unseen
+            return drafts, states, unseen, 0
         self.policy.start_round(tokens)
         sampling = self.config.sampling
         sample_drafts = sampling.sample_drafts and not sampling.greedy
@@ -403,6 +405,8 @@ class Engine:
             if sample_drafts:  # q = the drafter's processed distribution, and the draft is a draw from it
                 proposal = target_probs(logits, sampling)
                 step = attrs.evolve(step, token=draw(proposal, generator), proposal=proposal)
+            if not self.policy.worth_verifying(step):  # the drafter has read x_n..: nothing to roll back
+                return drafts, states, unseen, 1
             drafts.append(step)
             # the draft's layer-l state: needed to verify it, and by the drafter if we continue
             h = self.backend.shallow([step.token], len(sequence))
@@ -413,7 +417,7 @@ class Engine:
                 break
             if not self.policy.keep_drafting(step):
                 break
-        return drafts, states, unseen
+        return drafts, states, unseen, 0
 
     @staticmethod
     def _chain_length(verdict: Verdict, drafted: int) -> int:

@@ -367,6 +367,11 @@ class StoppingPolicy(abc.ABC):
     def begin_round(self) -> None:
         """Called before the first draft of each round (by the default :meth:`start_round`): reset per-round state."""
 
+    def worth_verifying(self, step: "DraftStep") -> bool:
+        """Called with each draft before its layer-l state is computed: False drops it unverified and ends the
+        round's drafting (the drafter's step was spent, the verify row is saved). The default keeps every draft."""
+        return True
+
     @abc.abstractmethod
     def keep_drafting(self, step: "DraftStep") -> bool:
         """Return True to draft another token after ``step`` (``step.confidence`` is the draft's top-1 probability,

@@ -96,6 +96,7 @@ class RoundResult:
     emitted: int  # tokens appended to the output this round (accepted + 1, fewer at EOS or the token budget)
     draft_seconds: float
     verify_seconds: float
+    dropped: int = 0  # drafts proposed but not verified (the policy found a verify row not worth it)
 
 
 @attrs.frozen

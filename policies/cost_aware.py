@@ -32,8 +32,19 @@ with s (a large batch fills the rows that cost nothing) drafting turns itself do
 ``p_i`` is draft i's confidence (the drafter's top-1 probability) calibrated online on this generation's verdicts:
 per confidence bin, accepted / verified drafts with a prior of ``prior`` pseudo-drafts centred on the confidence.
 
-* Before a round: k = 0 — no drafter work at all — when no k ≥ 1 beats ``rate(0)`` for the acceptance that recent
-  rounds showed (an average over rounds of the first draft's and the later drafts' outcomes); while skipping, a
+* Each draft, once proposed and before its layer-l state and verify row are paid for (``gate``, the default): kept
+  when the round's expected rate with it beats the rate with it dropped, its drafter step spent either way —
+  ``(1 + E_i) / R(i)`` against ``(1 + E_{i-1}) / (R(i - 1) + d)``, ``d`` what a dropped draft adds to a round
+  (measured: a round whose one draft is dropped, never less than the drafter's own step). A confident draft earns
+  its row; a hopeless one costs its drafter step only.
+* Before a round (``gate``): k = 0 — no drafter work at all — unless recent drafting rounds yielded more tokens per
+  unit of time than plain steps by ``margin``: a running ratio (memory ``memory``) of their tokens to their priced
+  costs, dropped drafts and misses included, from the prior's best round (drafts taken with ``RESUME``). While
+  skipping, a probe round drafts after ``probe`` skipped rounds; a dropped or missed probe doubles the wait (up to
+  2 × ``probe``), a hit restores the prior's yield. Near break-even the margin keeps to plain steps: there is
+  little to win there and a noisy estimate's loss to risk.
+* Before a round (``gate=False``, the earlier model, kept for A/B comparisons): k = 0 when no k ≥ 1 beats ``rate(0)``
+  for the acceptance that recent rounds showed (an average over rounds of the first draft's and the later drafts' outcomes); while skipping, a
   probe round drafts one token after ``probe`` skipped rounds (× the streams of a batch: the others wait for its
   draft), so the estimate follows the text; each failed probe
   doubles that wait (up to 2 × ``probe``), a hit resumes drafting (the estimate back at ``RESUME`` at least). The
@@ -78,6 +89,11 @@ def parse_costs(value: Any) -> tuple[float, tuple[float, ...]] | None:
     return numbers[0], tuple(numbers[1:])
 
 
+def _flag(value: Any) -> bool:
+    """An on/off option, given as a bool or as text (``false``, ``0``, ``no``: off)."""
+    return str(value).strip().lower() not in ("false", "0", "no", "off")
+
+
 @attrs.define
 class CostAwarePolicy(StoppingPolicy):
     """Draft the k (0 included) that maximises expected tokens per second under the backend's measured costs."""
@@ -94,7 +110,17 @@ class CostAwarePolicy(StoppingPolicy):
     #: "wait" (the others drafting nothing and waiting for its draft steps: the earlier model, kept for A/B
     #: comparisons); a further draft within a round is priced as "wait" either way
     batch: str = "together"
+    #: see each draft before paying for its verify row: drop it unverified when the row costs more than its
+    #: calibrated chance returns, and decide whether to draft at all from what recent drafting rounds yielded; False:
+    #: verify every draft and decide from the first drafts' acceptance (the earlier model, kept for A/B comparisons)
+    gate: bool = attrs.field(default=True, converter=_flag)
+    #: with ``gate``: draft only while recent drafting rounds yielded this much more than plain steps (their
+    #: estimate is noisy, and near break-even there is nothing to win but a loss to risk)
+    margin: float = attrs.field(default=0.05, converter=float)
+    #: with ``gate``: a probe's hit restores the prior's yield (True) or counts as one more drafting round (False)
+    reset: bool = attrs.field(default=True, converter=_flag)
     draft_ms: float = attrs.field(default=0.0, init=False)
+    drop_ms: float = attrs.field(default=0.0, init=False)  # what a dropped draft adds to a plain step
     pass_ms: tuple[float, ...] = attrs.field(default=(), init=False)
     round_ms: tuple[float, ...] = attrs.field(default=(), init=False)  # this generation's (at its context)
     round_contexts: tuple[int, ...] = attrs.field(default=(), init=False)
@@ -117,18 +143,21 @@ class CostAwarePolicy(StoppingPolicy):
     most: int = attrs.field(default=0, init=False)
     alive: float = attrs.field(default=1.0, init=False)
     expected: float = attrs.field(default=0.0, init=False)
+    dropped_later: bool = attrs.field(default=False, init=False)
+    yielded: tuple[float, float] | None = attrs.field(default=None, init=False)  # drafting rounds: (tokens, cost)
     name = "cost"
 
     def __attrs_post_init__(self):
         if self.batch not in ("together", "wait"):
             raise ConfigError(f"cost policy: batch must be 'together' or 'wait', got {self.batch!r}")
-        if self.prior <= 0 or self.probe < 1 or not 0 <= self.memory < 1:
-            raise ConfigError(f"cost policy: prior must be > 0, probe >= 1 and 0 <= memory < 1, got prior={self.prior}, "
-                              f"probe={self.probe}, memory={self.memory}")
+        if self.prior <= 0 or self.probe < 1 or not 0 <= self.memory < 1 or self.margin < 0:
+            raise ConfigError(f"cost policy: prior must be > 0, probe >= 1, 0 <= memory < 1 and margin >= 0, got "
+                              f"prior={self.prior}, probe={self.probe}, memory={self.memory}, margin={self.margin}")
         self.interval = self.probe
         given = parse_costs(self.costs)
         if given is not None:
             self.draft_ms, self.pass_ms = given[0], given[1]
+            self.drop_ms = self.draft_ms
             self.pass_sizes = tuple(range(1, len(self.pass_ms) + 1))
 
     @classmethod
@@ -147,6 +176,9 @@ class CostAwarePolicy(StoppingPolicy):
 
         curve = cached_costs(engine.backend, engine.drafter, self.gamma)
         self.draft_ms = curve.draft_step_ms or 0.0
+        # a dropped draft costs its drafter step at least: a round timed among others can read cheaper than that
+        dropped, advance = curve.dropped_round_ms, curve.advance_ms or 0.0
+        self.drop_ms = self.draft_ms if dropped is None else max(advance, dropped - curve.round_ms[0])
         self.pass_sizes, self.pass_ms = tuple(curve.positions), tuple(curve.verify_ms)
         self.round_ms = tuple(curve.round_ms)
         if curve.short_round_ms:  # rounds at two contexts, flattened context-major
@@ -160,7 +192,7 @@ class CostAwarePolicy(StoppingPolicy):
         self.accepted, self.verified = [0] * BINS, [0] * BINS
         self.first = self.later = None
         self.skipped, self.interval, self.probing = 0, self.probe, False
-        self.costs_of_rounds = {}
+        self.costs_of_rounds, self.yielded = {}, None
         if self.rounds_by_context:  # priced where the answer runs: its prompt and half its tokens before it
             per = len(self.rounds_by_context) // len(self.round_contexts)
             at = len(prompt_ids) + max_new_tokens // 2
@@ -247,13 +279,39 @@ class CostAwarePolicy(StoppingPolicy):
             best = max(best, self.rate(j, expected, together))
         return best
 
+    def prior_round(self, most: int) -> tuple[float, float]:
+        """(tokens, cost) of the best round at the prior's acceptance, every draft taken with ``RESUME``."""
+        best, expected, alive = (1.0, self.round_cost(0, self.streams)), 0.0, 1.0
+        for k in range(1, most + 1):
+            alive *= RESUME
+            expected += alive
+            candidate = (1 + expected, self.round_cost(k, self.streams))
+            if candidate[0] / candidate[1] > best[0] / best[1]:
+                best = candidate
+        return best
+
+    def record(self, tokens: float, cost: float) -> None:
+        """Fold a drafting round's tokens and priced cost into the running yield (from the prior's at first)."""
+        had = self.yielded or self.prior_round(self.most)
+        m = self.memory
+        self.yielded = (m * had[0] + (1 - m) * tokens, m * had[1] + (1 - m) * cost)
+
+    def dropped_rate(self, index: int) -> float:
+        """The expected rate of this round if draft ``index`` is dropped unverified (its drafter step is spent)."""
+        s = self.streams
+        return (s + self.expected) / (self.round_cost(index - 1, s, s == 1) + self.drop_ms)
+
     # -- the hooks ------------------------------------------------------------------------------------------------------
     def round_budget(self, most: int) -> int:
         self.most = most
         self.streams = getattr(self.backend, "streams", 1)
-        first = RESUME if self.first is None else self.first  # before any verdict: the prior
-        later = first if self.later is None else self.later
-        drafting = max(self.rate(1, first), self.best_rate(1, first, first, later, most))
+        if self.gate:  # what drafting rounds have yielded, drops and misses included
+            tokens, cost = self.yielded or self.prior_round(most)
+            drafting = tokens / cost / (1 + self.margin)
+        else:
+            first = RESUME if self.first is None else self.first  # before any verdict: the prior
+            later = first if self.later is None else self.later
+            drafting = max(self.rate(1, first), self.best_rate(1, first, first, later, most))
         if drafting > self.rate(0, 0.0):
             self.skipped, self.interval = 0, self.probe
             return most
@@ -261,10 +319,27 @@ class CostAwarePolicy(StoppingPolicy):
         if self.skipped < self.interval * self.streams:  # in a batch a probe makes every stream wait for its draft
             return 0
         self.skipped, self.probing = 0, True
-        return 1  # a probe: one draft tells whether the text has turned predictable
+        # a probe tells whether the text has turned predictable: a gated one may draft on (each draft is seen before
+        # its verify row is paid for), an ungated one drafts one token
+        return most if self.gate else 1
 
     def begin_round(self) -> None:
-        self.alive, self.expected = 1.0, 0.0
+        self.alive, self.expected, self.dropped_later = 1.0, 0.0, False
+
+    def worth_verifying(self, step: DraftStep) -> bool:
+        """With ``gate``: keep the draft when the round's expected rate with its verify row beats dropping it."""
+        if not self.gate:
+            return True
+        i = step.index
+        expected = self.expected + self.alive * self.probability(step.confidence)
+        if self.rate(i, expected, together=False) >= self.dropped_rate(i):
+            return True
+        if i > 1:
+            self.dropped_later = True
+        else:  # nothing to verify but the target's own token
+            self.record(1.0, self.round_cost(0, self.streams) + self.drop_ms)
+            self.end_probe(False)
+        return False
 
     def keep_drafting(self, step: DraftStep) -> bool:
         p = self.probability(step.confidence)
@@ -287,15 +362,28 @@ class CostAwarePolicy(StoppingPolicy):
         m = self.memory
         hit = float(accepted >= 1)
         self.first = m * (RESUME if self.first is None else self.first) + (1 - m) * hit
-        if self.probing:  # a failed probe doubles the wait before the next one (up to 2x); a hit resumes drafting
-            self.probing = False
-            self.interval = self.probe if hit else min(2 * self.interval, 2 * self.probe)
-            if hit:
-                self.first = max(self.first, RESUME)
+        if self.gate:
+            self.record(1 + accepted, self.round_cost(len(drafts), self.streams) + self.drop_ms * self.dropped_later)
+        self.end_probe(bool(hit))
         tried = min(len(drafts), accepted + 1) - 1  # later drafts that were verified
         if tried > 0:
             rate = (accepted - 1) / tried  # drafts 2..accepted of the verified ones
             self.later = rate if self.later is None else m * self.later + (1 - m) * rate
+
+
+    def end_probe(self, hit: bool) -> None:
+        """After a probe round: a miss doubles the wait before the next one (up to 2x); a hit resumes drafting."""
+        if not self.probing:
+            return
+        self.probing = False
+        self.interval = self.probe if hit else min(2 * self.interval, 2 * self.probe)
+        if hit:
+            self.first = max(self.first or 0.0, RESUME)
+            if not self.reset:
+                return
+            prior = self.prior_round(self.most)
+            if self.yielded is None or self.yielded[0] / self.yielded[1] < prior[0] / prior[1]:
+                self.yielded = prior
 
 
 def interpolate(sizes: Sequence[int], values: Sequence[float], n: int, extend: bool = True) -> float:

@@ -42,7 +42,9 @@ SHORT_CONTEXT = 64
 #: names the timings per measured size of the cost-aware policy's curve (default 9)
 REPEATS_ENV = "KANGAROO_COST_REPEATS"
 #: bumped when what a cached curve holds changes: older files are measured again
-COST_VERSION = 6
+COST_VERSION = 7
+#: the k of :func:`_time_rounds` for a round whose one draft is dropped unverified (a plain step + one drafter step)
+DROPPED = -1
 
 
 @attrs.frozen
@@ -74,6 +76,11 @@ class CostCurve:
     #: step is not: a round's price depends on where it runs); empty when not measured
     short_context: int = 0
     short_round_ms: tuple[float, ...] = ()
+    #: a chain round whose drafter proposes one token that is then dropped unverified: the target's plain step and
+    #: one drafter step, timed among such rounds back to back; None when not measured
+    dropped_round_ms: float | None = None
+    #: the drafter's own part of a draft step (no M[:l] pass): the least a dropped draft adds to a round
+    advance_ms: float | None = None
 
     @property
     def relative(self) -> dict[int, float]:
@@ -92,6 +99,10 @@ class CostCurve:
         draft = "" if self.draft_step_ms is None else f"\ndraft step (M[:l] + drafter, one position): {self.draft_step_ms:.1f} ms"
         if self.round_ms:
             zero = self.round_ms[0]
+            if self.dropped_round_ms is not None:
+                draft += (f"\nround whose one draft is dropped unverified: {self.dropped_round_ms:.1f} ms "
+                          f"({self.dropped_round_ms / self.round_ms[0]:.2f} × the target's plain step; the "
+                          f"drafter's own step alone: {self.advance_ms or 0:.1f} ms)")
             draft += ("\n\n| drafts per round | " + " | ".join(str(k) for k in range(len(self.round_ms))) + " |\n|---|"
                       + "---|" * len(self.round_ms) + "\n| round ms | " + " | ".join(f"{ms:.1f}" for ms in self.round_ms)
                       + " |\n| × the target's plain step | " + " | ".join(f"{ms / zero:.2f}" for ms in self.round_ms) + " |")
@@ -141,7 +152,8 @@ CHAIN, PLAIN_CHAIN, PLAIN_SETTLE = 5, 12, 4
 
 
 def _time_rounds(backend, drafter, ids: list[int], context: int, k: int, count: int, now) -> list[float]:
-    """``count`` chain rounds from position ``context`` that each draft k tokens (greedy drafts, every one accepted),
+    """``count`` chain rounds from position ``context`` that each draft k tokens (greedy drafts, every one accepted;
+    k = :data:`DROPPED`: one draft, dropped unverified),
     back to back as the engine runs a stretch of rounds: each starts where the last ended, the drafter catching up
     on the states it has not consumed, as in :meth:`Engine._chain_round`. A round timed alone after other work can
     read far cheaper, against a plain step, than the loop's rounds (docs/benchmarks.md, "Rounds priced as the loop
@@ -159,10 +171,10 @@ def _time_rounds(backend, drafter, ids: list[int], context: int, k: int, count: 
         states, sequence = [h_last], list(ids[: n + 1])
         if drafter is not None:
             unseen = h_last if unseen is None else torch.cat([unseen, h_last])
-        for i in range(k):
+        for i in range(1 if k == DROPPED else k):
             logits = drafter.advance(sequence, unseen)
             unseen = unseen[:0]
-            if logits is None:
+            if logits is None or k == DROPPED:
                 break
             step = DraftStep.from_logits(logits, index=i + 1)
             unseen = backend.shallow([step.token], len(sequence))
@@ -202,12 +214,13 @@ def measure_costs(backend, drafter=None, *, context: int = 300, positions: Seque
     now = _clock(backend)
     times: dict[int, list[float]] = {n: [] for n in positions}
     draft_times: list[float] = []
-    ks = list(range(rounds + 1)) if drafter is not None and rounds > 0 else []
+    advance_times: list[float] = []
+    ks = list(range(rounds + 1)) + [DROPPED] if drafter is not None and rounds > 0 else []
     round_times: dict[int, list[float]] = {k: [] for k in ks}
     for _ in range(repeats):
         rng.shuffle(ks)
         for k in ks:
-            count = min(PLAIN_CHAIN if k == 0 else CHAIN, room // (k + 1))
+            count = min(PLAIN_CHAIN if k == 0 else CHAIN, room // max(k + 1, 1))
             skip = min(PLAIN_SETTLE if k == 0 else 1, count - 1)
             round_times[k].extend(_time_rounds(backend, drafter, ids, context, k, count, now)[skip:])
         order = list(positions)
@@ -223,8 +236,10 @@ def measure_costs(backend, drafter=None, *, context: int = 300, positions: Seque
             drafter.crop(context)
             start = now()
             hidden = backend.shallow(ids[context: context + 1], context)
+            middle = now()
             drafter.advance(ids[: context + 1], hidden)
             draft_times.append(now() - start)
+            advance_times.append(now() - middle)
         if progress is not None:
             progress()
     backend.crop(context)
@@ -233,7 +248,9 @@ def measure_costs(backend, drafter=None, *, context: int = 300, positions: Seque
         context=context, positions=positions,
         verify_ms=tuple(1000 * statistics.median(times[n]) for n in positions),
         draft_step_ms=1000 * statistics.median(draft_times) if draft_times else None, repeats=repeats,
-        round_ms=tuple(1000 * statistics.median(round_times[k]) for k in sorted(round_times)))
+        advance_ms=1000 * statistics.median(advance_times) if advance_times else None,
+        round_ms=tuple(1000 * statistics.median(round_times[k]) for k in sorted(round_times) if k != DROPPED),
+        dropped_round_ms=1000 * statistics.median(round_times[DROPPED]) if DROPPED in round_times else None)
 
 
 def _clock(backend):
@@ -396,5 +413,5 @@ def wanted_positions(most: int, max_context: int | None = None) -> list[int]:
 def covers(curve: CostCurve, most: int, max_context: int | None = None) -> bool:
     """Whether ``curve`` has what a policy drafting at most ``most`` tokens per round reads."""
     return (set(wanted_positions(most, max_context)) <= set(curve.positions) and curve.draft_step_ms is not None
-            and len(curve.round_ms) >= most + 1 and bool(curve.draft_streams)
+            and len(curve.round_ms) >= most + 1 and curve.dropped_round_ms is not None and bool(curve.draft_streams)
             and (bool(curve.short_round_ms) or curve.context <= SHORT_CONTEXT))

@@ -71,16 +71,26 @@ def test_rounds_without_drafts_run_no_drafter_work_and_the_drafter_catches_up_in
     assert max(resumed) >= 3
 
 
-def test_the_cost_policy_stops_drafting_where_a_verify_row_cannot_pay():
+@pytest.mark.parametrize("gate", [True, False])
+def test_the_cost_policy_stops_drafting_where_a_verify_row_cannot_pay(gate):
     backend, drafter, prompt, expected = scripted_setup(confidence=0.9, error_rate=0.0)
-    policy = CostAwarePolicy(costs="1,1,10,20,30,40,50")  # a second row costs 9 one-row passes
+    policy = CostAwarePolicy(costs="1,1,10,20,30,40,50", gate=gate)  # a second row costs 9 one-row passes
     config = DecodeConfig(gamma=4, exit_layer=1, max_new_tokens=len(expected))
     result = Engine(backend, drafter, policy, GreedyVerifier(), config).generate_ids(prompt)
     assert result.token_ids == expected
-    drafted = [r.drafted for r in result.rounds]
-    # even the prior's 0.6 acceptance cannot pay for a second row: only every probe-th (4th) round drafts, one token
-    assert all(d == 0 for i, d in enumerate(drafted, start=1) if i % 4) and set(drafted) == {0, 1}
-    assert drafted.count(1) >= len(drafted) // 4 - 1 and len(drafter.calls) == sum(drafted)
+    drafted, dropped = [r.drafted for r in result.rounds], [r.dropped for r in result.rounds]
+    assert len(drafter.calls) == sum(drafted) + sum(dropped)  # one drafter step per draft, verified or dropped
+    if not gate:
+        # even the prior's 0.6 acceptance cannot pay for a second row: only every probe-th (4th) round drafts, one
+        # token
+        assert all(d == 0 for i, d in enumerate(drafted, start=1) if i % 4) and set(drafted) == {0, 1}
+        assert drafted.count(1) >= len(drafted) // 4 - 1 and sum(dropped) == 0
+        return
+    # gated: no draft is worth its row, so each probe's draft is dropped unverified: one drafter step, no row; each
+    # dropped probe doubles the wait before the next (4, then 8 rounds)
+    assert set(drafted) == {0} and set(dropped) == {0, 1}
+    probes = [i for i, d in enumerate(dropped, start=1) if d]
+    assert probes[:2] == [4, 12] and all(b - a == 8 for a, b in zip(probes[1:], probes[2:]))
 
 
 def test_the_cost_policy_drafts_deep_where_rows_are_free():
@@ -96,8 +106,9 @@ def test_the_cost_policy_drafts_deep_where_rows_are_free():
 
 
 def test_the_rule_on_crafted_numbers():
-    # t(n) = 1 + 0.2 (n - 1), a draft step 0.1: after a draft of p = 0.9, going on gains more than stopping
-    policy = CostAwarePolicy(costs="0.1,1,1.2,1.4,1.6,1.8,2.0,2.2", prior=1e6)  # a strong prior: p = confidence
+    # t(n) = 1 + 0.2 (n - 1), a draft step 0.1: after a draft of p = 0.9, going on gains more than stopping; rounds
+    # decided from the first drafts' acceptance (the earlier model: gate=False)
+    policy = CostAwarePolicy(costs="0.1,1,1.2,1.4,1.6,1.8,2.0,2.2", prior=1e6, gate=False)  # p = confidence
     policy.round_budget(6)
     policy.begin_round()
     assert policy.keep_drafting(step(1, 0.9))
@@ -118,6 +129,44 @@ def test_the_rule_on_crafted_numbers():
     assert [policy.round_budget(6) for _ in range(4)] == [0, 0, 0, 1]
     policy.first, policy.later = 0.8, 0.8
     assert policy.round_budget(6) == 6
+
+
+def test_the_gate_drops_drafts_not_worth_their_row_and_drafts_only_while_drafting_has_paid():
+    # a round of k drafts costs 0.1 k + t(k + 1), t(n) = 1 + 0.2 (n - 1): a plain step 1, a first draft's step and
+    # row 1.3, a dropped draft 1.1 (its step spent)
+    policy = CostAwarePolicy(costs="0.1,1,1.2,1.4,1.6,1.8,2.0,2.2", prior=1e6)  # a strong prior: p = confidence
+    policy.prepare(None, [], 64)
+    assert policy.gate and policy.drop_ms == 0.1
+    assert policy.round_budget(6) == 6  # the prior's yield pays
+    prior = policy.prior_round(6)
+    policy.begin_round()
+    # kept while (1 + p) / 1.3 >= 1 / 1.1: p >= 0.18
+    assert policy.worth_verifying(step(1, 0.2)) and not policy.worth_verifying(step(1, 0.15))
+    assert policy.yielded == pytest.approx((0.9 * prior[0] + 0.1 * 1, 0.9 * prior[1] + 0.1 * 1.1))
+    policy.begin_round()
+    assert policy.worth_verifying(step(1, 0.9)) and policy.keep_drafting(step(1, 0.9))
+    # a later draft at 0.1: 1.99 tokens for 1.6 is worse than 1.9 for 1.3 + 0.1 (its step spent): dropped
+    assert not policy.worth_verifying(step(2, 0.1)) and policy.dropped_later
+    before = policy.yielded
+    policy.end_round([step(1, 0.9)], 1)  # the verified round is priced with its dropped draft's step
+    assert policy.yielded == pytest.approx((0.9 * before[0] + 0.1 * 2, 0.9 * before[1] + 0.1 * (1.3 + 0.1)))
+    # rounds yielding one token at a dropped draft's cost bring the yield under plain steps'
+    for _ in range(40):
+        policy.begin_round()
+        assert not policy.worth_verifying(step(1, 0.05))
+    assert policy.yielded[0] / policy.yielded[1] < 1
+    assert [policy.round_budget(6) for _ in range(4)] == [0, 0, 0, 6]  # a gated probe may draft on
+    policy.begin_round()
+    assert policy.worth_verifying(step(1, 0.95))
+    policy.end_round([step(1, 0.95)], 1)  # the probe hit: the prior's yield again, drafting resumes
+    assert policy.yielded == prior and policy.round_budget(6) == 6
+    # the margin: a yield 3 % over plain steps' is not enough to draft (5 %), 8 % is
+    policy.yielded = (1.03, 1.0)
+    assert policy.round_budget(6) == 0
+    policy.yielded = (1.08, 1.0)
+    assert policy.round_budget(6) == 6
+    # ungated, every draft is verified
+    assert CostAwarePolicy(costs="0.2,1,1.4", gate=False).worth_verifying(step(1, 0.01))
 
 
 def test_calibration_learns_from_verdicts():
@@ -148,15 +197,19 @@ def test_bad_options_are_refused_in_one_line():
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(seed=st.integers(0, 10_000), gamma=st.integers(1, 5), n=st.integers(2, 24),
        error_rate=st.sampled_from([0.0, 0.3, 0.7]), slope=st.sampled_from([0.0, 0.3, 3.0]),
-       confidence=st.sampled_from([0.2, 0.6, 0.97]))
-def test_greedy_identity_under_any_costs(seed, gamma, n, error_rate, slope, confidence):
+       confidence=st.sampled_from([0.2, 0.6, 0.97, "varied"]), gate=st.booleans())
+def test_greedy_identity_under_any_costs(seed, gamma, n, error_rate, slope, confidence, gate):
     rng = random.Random(seed)
+    if confidence == "varied":  # drafts the gate keeps and drafts it drops, in one generation
+        confidence = lambda position: (0.05, 0.3, 0.95)[position % 3]  # noqa: E731
     backend, drafter, prompt, expected = scripted_setup(seed, n, confidence, error_rate)
     costs = ",".join(str(x) for x in [rng.random()] + [1 + slope * i for i in range(8)])
     config = DecodeConfig(gamma=gamma, exit_layer=1, max_new_tokens=n)
-    result = Engine(backend, drafter, CostAwarePolicy(costs=costs), GreedyVerifier(), config).generate_ids(prompt)
+    policy = CostAwarePolicy(costs=costs, gate=gate)
+    result = Engine(backend, drafter, policy, GreedyVerifier(), config).generate_ids(prompt)
     assert result.token_ids == expected
-    assert len(drafter.calls) == sum(r.drafted for r in result.rounds)
+    assert len(drafter.calls) == sum(r.drafted + r.dropped for r in result.rounds)
+    assert gate or not any(r.dropped for r in result.rounds)
 
 
 def test_the_measured_curve_is_cached_per_machine_and_identity_holds_in_a_batch(monkeypatch):
@@ -172,6 +225,9 @@ def test_the_measured_curve_is_cached_per_machine_and_identity_holds_in_a_batch(
     assert engine.policy.pass_sizes == sizes and sizes[:4] == (1, 2, 4, 8)
     assert len(measured) == len(sizes) and all(t > 0 for t in measured) and engine.policy.draft_ms > 0
     assert len(engine.policy.round_ms) == 4 and all(t > 0 for t in engine.policy.round_ms)  # rounds of 0..3 drafts
+    curve = cost_model.curve_from_dict(json.loads(path.read_text())["curve"])
+    assert curve.dropped_round_ms > 0 and 0 < curve.advance_ms < curve.draft_step_ms  # a dropped draft's round
+    assert engine.policy.drop_ms >= curve.advance_ms
     assert engine.policy.draft_streams == cost_model.DRAFT_STREAMS  # a batch's draft step by streams drafting
     assert len(engine.policy.draft_many_ms) == len(cost_model.DRAFT_STREAMS) and min(engine.policy.draft_many_ms) > 0
 
@@ -256,7 +312,7 @@ def test_a_batch_binds_every_streams_policy_to_its_own_engine():
 
 
 def test_in_a_batch_a_skipping_stream_probes_less_often():
-    policy = CostAwarePolicy(costs="0.5,10,15,20,25,30,35,40", prior=1e6)
+    policy = CostAwarePolicy(costs="0.5,10,15,20,25,30,35,40", prior=1e6, gate=False)
     policy.prepare(None, [], 64)
     policy.first = policy.later = 0.0
     policy.backend = _Streams(1)
@@ -442,3 +498,18 @@ def test_a_backend_s_kernel_sources_name_its_c_code():
 
     digest = native.sources_digest()
     assert len(digest) == 16 and TorchBackend.kernel_sources.fget(None) == OnnxBackend.kernel_sources.fget(None) == digest
+
+
+def test_the_gated_drafts_study_reads_its_variants_and_sums_seconds_per_subtask():
+    import click
+
+    from kangaroo_apps.studies.gated_drafts import parse_variant, summary
+
+    assert parse_variant("default") == {} and parse_variant("gate=false;margin=0.1;batch=wait") == {
+        "gate": False, "margin": 0.1, "batch": "wait"}
+    with pytest.raises(click.BadParameter, match="KEY=VALUE"):
+        parse_variant("gate")
+    rows = [{"subtask": s, "seconds": {"alone": a, "default": d}} for s, a, d in [("qa", 1.0, 2.0), ("qa", 3.0, 2.0),
+                                                                                 ("math", 2.0, 1.0)]]
+    assert summary({"variants": ["default"], "questions": rows}).splitlines() == [
+        "qa: default x1.000", "math: default x2.000", "overall: default x1.200"]

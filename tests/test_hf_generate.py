@@ -187,13 +187,12 @@ def test_an_adapter_made_for_another_model_is_refused(tiny, tmp_path):
 
 @pytest.mark.slow
 def test_real_model_generate_is_identical_and_uses_the_shipped_adapter():
-    """The real SmolLM2 as a user loads it: model.generate with and without custom_generate, 6 chat prompts."""
+    """The real SmolLM2 as a user loads it: model.generate with and without custom_generate, 3 chat prompts."""
     from kangaroo_backends.loading import load_model
 
     model, tokenizer, _ = load_model(None)
     accepted = 0.0
-    prompts = ["Write a short poem about the sea.", "What is 17 times 23? Show your steps.", "Who was Ada Lovelace?",
-               "Give me three tips for learning to cook.", "List the planets of the solar system in order.",
+    prompts = ["Write a short poem about the sea.", "What is 17 times 23? Show your steps.",
                "Write a Python function that reverses a string."]
     for prompt in prompts:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,

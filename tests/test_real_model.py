@@ -177,7 +177,9 @@ def test_the_gguf_file_s_own_4_bit_weights_on_onnxruntime(smollm, references):
 
 
 @pytest.mark.usefixtures("drops_its_onnx_exports")
-@pytest.mark.parametrize("threads,kernel", [(1, "blocks"), (2, "blocks"), (2, "matmulnbits")])
+# one thread and onnxruntime's own kernel in `make test-extra` (CI runs both): `make test` stays under 15 minutes
+@pytest.mark.parametrize("threads,kernel", [pytest.param(1, "blocks", marks=pytest.mark.extra), (2, "blocks"),
+                                            pytest.param(2, "matmulnbits", marks=pytest.mark.extra)])
 def test_int8_activations_verify_all_rows_at_once_and_exactly_on_the_real_model(smollm, references, threads, kernel):
     """At accuracy level 4 the 4-bit graphs multiply all rows at once, each row computed as alone (kangaroo's block
     kernel, on each path the CPU has; or one MatMulNBits call, whose int8 kernel computes each row alone where the CPU

@@ -592,7 +592,8 @@ def test_the_kangaroo_drafter_drafts_the_same_trees_on_onnx_as_on_torch(onnx_roo
     assert [(r.drafted, r.accepted) for r in on_onnx.rounds] == [(r.drafted, r.accepted) for r in on_torch.rounds]
     assert max(r.accepted for r in on_onnx.rounds) >= 2  # paths through advance_tree were accepted
     graph, eager = runners
-    assert graph.length == eager.length
+    getattr(graph, "catch_up", lambda: None)()  # the deep-context graph rewrites verified slots on its next run
+    assert graph.length == eager.length == graph.graph.length
     for got, want in zip(graph.graph.cache, eager.cache.layer(0)):  # [1, slots, kvh, hd] vs [1, kvh, slots, hd]
         assert torch.allclose(got[0, :graph.length], want[0].transpose(0, 1), atol=1e-4)
     if adapter_type == "deep-context":

@@ -162,7 +162,8 @@ def _round_drafts(answer: Answer, j: int):
 def simulate_policy(answer: Answer, policy: StoppingPolicy, gamma: int) -> list[RoundResult]:
     """The rounds (drafted, accepted, emitted; no timings) the engine would run with ``policy`` on this greedy answer.
 
-    Mirrors :meth:`Engine.decode`: at most min(gamma, budget − 1) drafts, the policy asked after each draft, drafting
+    Mirrors :meth:`Engine.decode`: at most min(gamma, budget − 1) drafts, the policy asked about each draft before it
+    is counted (``worth_verifying``: a dropped one ends the round's drafting) and after it, drafting
     stops after a draft that is EOS or when the drafter has nothing to propose; the verify accepts the drafts up to
     the first one off the target's path.
     """
@@ -177,12 +178,15 @@ def simulate_policy(answer: Answer, policy: StoppingPolicy, gamma: int) -> list[
         if max_drafts > 0:
             policy.start_round(tokens)  # as the engine does (the default calls begin_round)
             for step, ok in _round_drafts(answer, j):
+                step = attrs.evolve(step, index=drafted + 1)
+                if not policy.worth_verifying(step):  # dropped unverified, as the engine does
+                    break
                 drafted += 1
                 on_path = on_path and ok
                 accepted += on_path
                 if step.token in answer.eos or drafted == max_drafts:
                     break
-                if not policy.keep_drafting(attrs.evolve(step, index=drafted)):
+                if not policy.keep_drafting(step):
                     break
         emitted = answer.answer[j + 1: j + accepted + 2]
         if answer.answer[j + accepted] in answer.eos and accepted:  # an accepted EOS draft ends the answer there

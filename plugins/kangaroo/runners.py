@@ -308,20 +308,39 @@ class OnnxAdapterRunner(DraftRunner):
 
 
 class DeepContextOnnxRunner(OnnxAdapterRunner):
-    """The deep-context adapter's graph on onnxruntime; the same bookkeeping as :class:`DeepContextTorchRunner`."""
+    """The deep-context adapter's graph on onnxruntime; the same bookkeeping as :class:`DeepContextTorchRunner`,
+    except when keys/values are rewritten: the graph computes them only by running whole (its FFN and head
+    included), so the slots whose deep states arrive are dropped from its cache and rewritten by the next call,
+    together with that call's own rows — one graph run per draft step, none after a verify pass."""
 
     def __init__(self, backend: Backend, adapter, adapter_path: str | None, *, opset: int, tolerance: float):
         super().__init__(backend, adapter, adapter_path, opset=opset, tolerance=tolerance)
         self.context = _DeepContext(self.hidden_size, self.device, torch.float32)
+        self.slots = 0  # positions seen; the graph's cache holds the first graph.length of them
+
+    @property
+    def length(self) -> int:
+        return self.slots
 
     def fork(self) -> "DeepContextOnnxRunner":
         clone = super().fork()
         clone.context = _DeepContext(self.hidden_size, self.device, torch.float32)
+        clone.slots = 0
         return clone
 
     def reset(self) -> None:
         super().reset()
-        self.context.known = 0
+        self.context.known, self.slots = 0, 0
+
+    def crop(self, length: int) -> None:
+        super().crop(length)
+        self.slots = min(self.slots, length)
+
+    def catch_up(self) -> None:
+        """Run the slots whose keys/values wait to be (re)written (a tree round needs them in the cache)."""
+        start = self.graph.length
+        if start < self.slots:
+            self._run(start, self.slots - start)
 
     def _run(self, start: int, n: int, tree=None) -> torch.Tensor:
         """Append slots start..start+n-1; a chain call drafts from its last row ([1, V] logits), a tree call from
@@ -340,30 +359,34 @@ class DeepContextOnnxRunner(OnnxAdapterRunner):
         return logits[0]
 
     def advance(self, hidden: torch.Tensor, start: int) -> torch.Tensor:
+        """The slots waiting to be rewritten and the new ones in one run; logits of the last [V]."""
         check_start("adapter", start, self.length)
         self.context.store_hidden(hidden.to(device=self.device, dtype=torch.float32), start)
-        return self._run(start, hidden.shape[0])[0]  # [V]
+        self.slots = start + hidden.shape[0]
+        first = self.graph.length
+        return self._run(first, self.slots - first)[0]  # [V]
 
     def advance_tree(self, hidden: torch.Tensor, start: int, tree) -> torch.Tensor:
         """Tree nodes [m, d] at slots start..: none has a deep state (plain keys); each query reads the latest
         verified deep state and its own draft depth, as :class:`DeepContextTorchRunner` does."""
         check_start("adapter", start, self.length)
+        self.catch_up()
         self.context.store_hidden(hidden.to(device=self.device, dtype=torch.float32), start)
+        self.slots = start + hidden.shape[0]
         return self._run(start, hidden.shape[0], tree)  # [m, V]
 
     def keep(self, positions) -> None:
         """Keep these slots of the cache and of the remembered layer-l states (the accepted tree path)."""
         positions = list(positions)
+        self.catch_up()
         self.context.keep(positions)
         self.graph.keep(positions)
+        self.slots = self.graph.length
 
     def observe_deep(self, start: int, deep: torch.Tensor) -> None:
-        c = self.context
-        c.store_deep(deep.to(device=self.device, dtype=torch.float32), start)
-        seen = self.length
-        if start < seen:
-            self.graph.crop(start)
-            self._run(start, seen - start)
+        """Record z of positions start..; the keys/values of those already in the cache wait for the next run."""
+        self.context.store_deep(deep.to(device=self.device, dtype=torch.float32), start)
+        self.graph.crop(start)
 
 
 def make_runner(backend: Backend, adapter: KangarooAdapter, adapter_path: str | None, *, opset: int,
