@@ -29,8 +29,10 @@ def mean_drafted(rounds: Sequence[Any]) -> float | None:
 
 
 def round_summary(rounds: Sequence[Any], windows: int) -> dict[str, Any]:
-    """``rounds``, ``cr``, ``ctar``, ``drafts_per_round`` and ``wasted_drafts_per_round`` of a set of rounds."""
+    """``rounds``, ``cr``, ``ctar``, ``drafts_per_round``, ``wasted_drafts_per_round`` (verified, rejected) and
+    ``dropped_drafts_per_round`` (proposed, never verified) of a set of rounds."""
     n = len(rounds)
     return {"rounds": n, "cr": compression_rate(rounds), "ctar": ctar(rounds, windows),
             "drafts_per_round": mean_drafted(rounds),
-            "wasted_drafts_per_round": sum(r.drafted - r.accepted for r in rounds) / n if n else None}
+            "wasted_drafts_per_round": sum(r.drafted - r.accepted for r in rounds) / n if n else None,
+            "dropped_drafts_per_round": sum(r.dropped for r in rounds) / n if n else None}

@@ -32,7 +32,8 @@ with s (a large batch fills the rows that cost nothing) drafting turns itself do
 ``p_i`` is draft i's confidence (the drafter's top-1 probability) calibrated online on this generation's verdicts:
 per confidence bin, accepted / verified drafts with a prior of ``prior`` pseudo-drafts centred on the confidence.
 
-* Each draft, once proposed and before its layer-l state and verify row are paid for (``gate``, the default): kept
+* Each draft, once proposed and before its layer-l state and verify row are paid for (``gate``, the default, for a
+  stream decoding alone; a batch decides as with ``gate=False``): kept
   when the round's expected rate with it beats the rate with it dropped, its drafter step spent either way —
   ``(1 + E_i) / R(i)`` against ``(1 + E_{i-1}) / (R(i - 1) + d)``, ``d`` what a dropped draft adds to a round
   (measured: a round whose one draft is dropped, never less than the drafter's own step). A confident draft earns
@@ -279,6 +280,13 @@ class CostAwarePolicy(StoppingPolicy):
             best = max(best, self.rate(j, expected, together))
         return best
 
+    @property
+    def gated(self) -> bool:
+        """``gate``, for a stream decoding alone: in a batch the earlier model decides (every draft verified), whose
+        pricing of a batch's merged passes the batch measurements were made with (see docs/benchmarks.md: gated
+        streams in a 4-bit batch drafted far less and lost to the batched target alone at 8 streams)."""
+        return self.gate and self.streams == 1
+
     def prior_round(self, most: int) -> tuple[float, float]:
         """(tokens, cost) of the best round at the prior's acceptance, every draft taken with ``RESUME``."""
         best, expected, alive = (1.0, self.round_cost(0, self.streams)), 0.0, 1.0
@@ -305,14 +313,16 @@ class CostAwarePolicy(StoppingPolicy):
     def round_budget(self, most: int) -> int:
         self.most = most
         self.streams = getattr(self.backend, "streams", 1)
-        if self.gate:  # what drafting rounds have yielded, drops and misses included
+        if self.gated:  # what drafting rounds have yielded, drops and misses included
             tokens, cost = self.yielded or self.prior_round(most)
             drafting = tokens / cost / (1 + self.margin)
+            plain = self.rate(0, 0.0)
         else:
             first = RESUME if self.first is None else self.first  # before any verdict: the prior
             later = first if self.later is None else self.later
             drafting = max(self.rate(1, first), self.best_rate(1, first, first, later, most))
-        if drafting > self.rate(0, 0.0):
+            plain = self.rate(0, 0.0)
+        if drafting > plain:
             self.skipped, self.interval = 0, self.probe
             return most
         self.skipped += 1
@@ -321,14 +331,14 @@ class CostAwarePolicy(StoppingPolicy):
         self.skipped, self.probing = 0, True
         # a probe tells whether the text has turned predictable: a gated one may draft on (each draft is seen before
         # its verify row is paid for), an ungated one drafts one token
-        return most if self.gate else 1
+        return most if self.gated else 1
 
     def begin_round(self) -> None:
         self.alive, self.expected, self.dropped_later = 1.0, 0.0, False
 
     def worth_verifying(self, step: DraftStep) -> bool:
         """With ``gate``: keep the draft when the round's expected rate with its verify row beats dropping it."""
-        if not self.gate:
+        if not self.gated:
             return True
         i = step.index
         expected = self.expected + self.alive * self.probability(step.confidence)
@@ -362,7 +372,7 @@ class CostAwarePolicy(StoppingPolicy):
         m = self.memory
         hit = float(accepted >= 1)
         self.first = m * (RESUME if self.first is None else self.first) + (1 - m) * hit
-        if self.gate:
+        if self.gated:
             self.record(1 + accepted, self.round_cost(len(drafts), self.streams) + self.drop_ms * self.dropped_later)
         self.end_probe(bool(hit))
         tried = min(len(drafts), accepted + 1) - 1  # later drafts that were verified

@@ -323,6 +323,23 @@ def test_in_a_batch_a_skipping_stream_probes_less_often():
     assert [policy.round_budget(6) for _ in range(12)] == [0] * 11 + [1]
 
 
+@pytest.mark.parametrize("batch", ["together", "wait"])
+@pytest.mark.parametrize("streams", [1, 2, 4])
+def test_the_gate_decides_for_a_stream_alone_and_a_batch_decides_as_before(batch, streams):
+    # rows are nearly free: drafting pays whatever the batch's pricing
+    policy = CostAwarePolicy(costs="1," + ",".join(str(10 + 0.2 * i) for i in range(64)), batch=batch, prior=1e6)
+    policy.prepare(None, [], 64)
+    policy.backend = _Streams(streams)
+    assert [policy.round_budget(6) for _ in range(5)] == [6] * 5
+    assert policy.gated == (streams == 1)
+    policy.begin_round()
+    # a hopeless draft: dropped by a stream alone; in a batch every draft is verified (the earlier model)
+    assert policy.worth_verifying(step(1, 0.001)) == (streams > 1)
+    policy.yielded = (1.0, 2 * policy.round_cost(0, streams))  # drafting yielded half a plain step's rate
+    policy.first = policy.later = 0.9
+    assert policy.round_budget(6) == (0 if streams == 1 else 6)
+
+
 def test_the_timings_per_size_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("KANGAROO_COST_REPEATS", "2")
     assert cost_model._repeats(9) == 2

@@ -152,6 +152,7 @@ def alone_and_drafted(backend, config, prompt_ids):
     return alone, drafted
 
 
+@pytest.mark.extra  # `make test-extra` (CI runs both): the float32-activation path; the default int8 one runs below
 @pytest.mark.usefixtures("drops_its_onnx_exports")
 def test_the_gguf_file_s_own_4_bit_weights_on_onnxruntime(smollm, references):
     """The 4-bit onnx backend (kangaroo's block kernel over the GGUF blocks, float32 activations: the default):
@@ -214,6 +215,7 @@ def test_int8_activations_verify_all_rows_at_once_and_exactly_on_the_real_model(
         assert drafted.mean_accepted_tokens > 1.2
 
 
+@pytest.mark.extra  # `make test-extra` (CI runs both); the tiny-model onnx tree tests run in `make test`
 @pytest.mark.usefixtures("drops_its_onnx_exports")
 def test_token_trees_on_onnxruntime_match_the_target_alone(smollm, references):
     """The float32 onnx backend verifies token trees with the same graphs as chains: with the shipped adapter, the

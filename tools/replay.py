@@ -173,13 +173,14 @@ def simulate_policy(answer: Answer, policy: StoppingPolicy, gamma: int) -> list[
     tokens = list(answer.prompt_ids) + answer.answer[:1]
     while j + 1 < m:
         max_drafts = min(gamma, answer.max_new_tokens - (j + 1) - 1)
-        accepted = drafted = 0
+        accepted = drafted = dropped = 0
         on_path = True
         if max_drafts > 0:
             policy.start_round(tokens)  # as the engine does (the default calls begin_round)
             for step, ok in _round_drafts(answer, j):
                 step = attrs.evolve(step, index=drafted + 1)
                 if not policy.worth_verifying(step):  # dropped unverified, as the engine does
+                    dropped = 1
                     break
                 drafted += 1
                 on_path = on_path and ok
@@ -191,7 +192,7 @@ def simulate_policy(answer: Answer, policy: StoppingPolicy, gamma: int) -> list[
         emitted = answer.answer[j + 1: j + accepted + 2]
         if answer.answer[j + accepted] in answer.eos and accepted:  # an accepted EOS draft ends the answer there
             emitted = emitted[:accepted]
-        rounds.append(RoundResult(drafted, accepted, len(emitted), 0.0, 0.0))
+        rounds.append(RoundResult(drafted, accepted, len(emitted), 0.0, 0.0, dropped=dropped))
         tokens = tokens + emitted
         j += len(emitted)
     return rounds
