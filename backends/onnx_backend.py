@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -43,6 +44,7 @@ from kangaroo_backends.onnx_bundle import (BIAS_INPUTS, EXPORT_KEY, GRAPHS, MANI
                                            export_weights, graph_file, graph_io, read_manifest, rows_exact)
 from kangaroo_backends.onnx_export import export_onnx
 from kangaroo_backends.onnx_toolkit import attention_bias, import_onnxruntime
+from kangaroo_backends.ort_rotary import fuse_rotary
 from kangaroo_backends.kv_cache import check_start
 from kangaroo_backends.native import sources_digest
 from kangaroo_backends.torch_backend import describe_split_model
@@ -232,12 +234,25 @@ class Binder:
 
     def bind(self, binding, name: str, tensor: torch.Tensor, output: bool = False) -> None:
         dtype = np.int64 if tensor.dtype == torch.long else np.float32
-        if self.raw:
-            (binding.bind_output if output else binding.bind_input)(
-                name, self.c_device, dtype, tuple(tensor.shape), tensor.data_ptr())
-        else:
-            (binding.bind_output if output else binding.bind_input)(
-                name, self.device_type, self.device_id, dtype, tuple(tensor.shape), tensor.data_ptr())
+        self._bind_function(binding, output)(name, *self._where(), dtype, tuple(tensor.shape), tensor.data_ptr())
+
+    def bind_cache(self, binding, past: dict[str, int], new: dict[str, int], past_shape: tuple[int, ...],
+                   new_shape: tuple[int, ...]) -> None:
+        """Bind float32 cache memory by address (name → address): the past slots as inputs, the new ones as outputs.
+        No tensor views: making one per buffer cost more than binding it, four buffers per layer every pass."""
+        where = self._where()
+        bind_input, bind_output = self._bind_function(binding, False), self._bind_function(binding, True)
+        for name, address in past.items():
+            bind_input(name, *where, np.float32, past_shape, address)
+        for name, address in new.items():
+            bind_output(name, *where, np.float32, new_shape, address)
+
+    def _where(self) -> tuple:
+        return (self.c_device,) if self.raw else (self.device_type, self.device_id)
+
+    @staticmethod
+    def _bind_function(binding, output: bool):
+        return binding.bind_output if output else binding.bind_input
 
     def run(self, session, binding) -> None:
         if self.raw:
@@ -272,6 +287,7 @@ class GraphRunner:
         self.biases = {name: (window if kinds[name] == SLIDING else None) for name in inputs if name in kinds}
         self.layers = kv_layers
         self.kv_shape = kv_shape
+        self.slot_bytes = 4 * math.prod(kv_shape)  # one position of one float32 buffer [1, capacity, *kv_shape]
         self.capacity = min(256, max_positions)
         self.cache = [torch.empty(1, self.capacity, *self.kv_shape, device=device) for _ in range(2 * self.layers)]
         self.length = 0
@@ -347,10 +363,10 @@ class GraphRunner:
             bias = attention_bias(n, start, window, tree, self.device)
             kept.append(bias)
             self.binder.bind(binding, name, bias)
-        for name, buffer in zip(self.past_names, self.cache):
-            self.binder.bind(binding, name, buffer[:, :start])
-        for name, buffer in zip(self.new_names, self.cache):
-            self.binder.bind(binding, name, buffer[:, start:start + n], output=True)
+        offset = start * self.slot_bytes
+        self.binder.bind_cache(binding, {name: buffer.data_ptr() for name, buffer in zip(self.past_names, self.cache)},
+                               {name: buffer.data_ptr() + offset for name, buffer in zip(self.new_names, self.cache)},
+                               (1, start, *self.kv_shape), (1, n, *self.kv_shape))
         self.binder.run(session, binding)
         self.length = start + n
         return results
@@ -585,12 +601,12 @@ class OnnxBackend(Backend):
             ort_attention.require(path)
         # not marked: a bundle exported before graph revision 6, or a drafter's own graph
         swapped = swap and library is not None and ort_attention.swap_attention(proto) > 0
-        if blocks or swapped:
+        rotated = library is not None and fuse_rotary(proto) > 0
+        if blocks or swapped or rotated:
             options.register_custom_ops_library(str(ort_attention.library()[0]))
-        if not swapped:
-            return None
-        self.swapped.add(path)
-        return proto.SerializeToString()
+        if swapped:
+            self.swapped.add(path)
+        return proto.SerializeToString() if swapped or rotated else None
 
     def open_graph(self, path: Path, inputs: list[str], outputs: list[str], kv_layers: int,
                    plain_path: Path | None = None, spin: bool = False, plain_one_row: bool = True) -> GraphRunner:

@@ -41,7 +41,7 @@ from kangaroo_backends.onnx_bundle import BIAS_INPUTS
 METADATA_KEY = "kangaroo.attention_core"
 DOMAIN = "kangaroo"
 OP = "CachedAttention"
-SOURCES = ("ort_cached_attention.c", "small_batch_attention.c", "ort_block_matmul.c", "block_matmul.c")
+SOURCES = ("ort_cached_attention.c", "small_batch_attention.c", "ort_block_matmul.c", "block_matmul.c", "ort_rotary.c")
 FLAGS = tuple(flag for flag in native.FLAGS if flag != "-fopenmp")  # the torch kernels' flags, no OpenMP
 
 

@@ -1,4 +1,4 @@
-/* kangaroo.CachedAttention (and kangaroo.BlockMatMul, ort_block_matmul.c): an onnxruntime custom op (CPU, float32) for one layer's attention over the KV cache,
+/* kangaroo.CachedAttention (and kangaroo.BlockMatMul, ort_block_matmul.c, and kangaroo.Rotary, ort_rotary.c): an onnxruntime custom op (CPU, float32) for one layer's attention over the KV cache,
  * reading the cache where it lies (see kangaroo_backends/ort_attention.py for why and how it is wired).
  *
  *   inputs   query [1, n, H, hd] (or [1, n, H*hd]), new_key / new_value [1, n, kvh, hd],
@@ -255,6 +255,7 @@ static const OrtCustomOp cached_attention = {
 };
 
 #include "ort_block_matmul.c"
+#include "ort_rotary.c"
 
 /* The entry point SessionOptions.register_custom_ops_library calls. */
 OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
@@ -270,5 +271,6 @@ OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base)
     TRY(CALL(CreateDomain_fn, CreateCustomOpDomain)("kangaroo", &domain));
     TRY(CALL(DomainAdd_fn, CustomOpDomain_Add)(domain, &cached_attention));
     TRY(CALL(DomainAdd_fn, CustomOpDomain_Add)(domain, &block_matmul_op));
+    TRY(CALL(DomainAdd_fn, CustomOpDomain_Add)(domain, &rotary_op));
     return CALL(AddDomain_fn, AddCustomOpDomain)(options, domain);
 }

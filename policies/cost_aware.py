@@ -118,8 +118,6 @@ class CostAwarePolicy(StoppingPolicy):
     #: with ``gate``: draft only while recent drafting rounds yielded this much more than plain steps (their
     #: estimate is noisy, and near break-even there is nothing to win but a loss to risk)
     margin: float = attrs.field(default=0.05, converter=float)
-    #: with ``gate``: a probe's hit restores the prior's yield (True) or counts as one more drafting round (False)
-    reset: bool = attrs.field(default=True, converter=_flag)
     draft_ms: float = attrs.field(default=0.0, init=False)
     drop_ms: float = attrs.field(default=0.0, init=False)  # what a dropped draft adds to a plain step
     pass_ms: tuple[float, ...] = attrs.field(default=(), init=False)
@@ -389,8 +387,6 @@ class CostAwarePolicy(StoppingPolicy):
         self.interval = self.probe if hit else min(2 * self.interval, 2 * self.probe)
         if hit:
             self.first = max(self.first or 0.0, RESUME)
-            if not self.reset:
-                return
             prior = self.prior_round(self.most)
             if self.yielded is None or self.yielded[0] / self.yielded[1] < prior[0] / prior[1]:
                 self.yielded = prior

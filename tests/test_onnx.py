@@ -248,6 +248,47 @@ def test_the_attention_op_computes_the_exported_attention(bundles):
 
 
 @needs_ort
+@pytest.mark.parametrize("name, layers", [("shallow", 1), ("deep", 2)])
+def test_the_rotary_op_gives_the_exported_graph_bits(bundles, name, layers):
+    """Each layer's rotary embedding of the queries and of the keys (Reshape, Unsqueeze, Mul, MatMul by the ±1
+    matrix, Add) becomes one ``kangaroo.Rotary`` node, and the graph's outputs keep their bits: on chains and a token
+    tree, with or without a cache, the attention swapped or not."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    from kangaroo_backends import ort_attention
+    from kangaroo_backends.onnx_toolkit import validation_tree
+    from kangaroo_backends.ort_rotary import fuse_rotary
+
+    library = attention_op()
+    path = bundles(2, 1) / f"{name}.onnx"
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(library))
+    for swap in (False, True):
+        plain, fused = onnx.load(path), onnx.load(path)
+        if swap:
+            assert ort_attention.swap_attention(plain) == ort_attention.swap_attention(fused) == layers
+        before = [node.op_type for node in fused.graph.node]
+        assert fuse_rotary(fused) == 2 * layers
+        after = [node.op_type for node in fused.graph.node]
+        assert after.count("Rotary") == 2 * layers
+        for op, gone in (("MatMul", 2), ("Mul", 4), ("Add", 2), ("Reshape", 2)):  # per layer; Reshape: the head splits
+            assert before.count(op) - after.count(op) == gone * layers, (op, before, after)
+        sessions = [ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+                    for proto in (plain, fused)]
+        rng = np.random.default_rng(1)
+        for past, n, tree in ((0, 4, None), (6, 1, None), (6, 5, None), (5, 3, validation_tree())):
+            feed = _deep_feed(rng, past, n, layers, tree)
+            if name == "shallow":
+                feed["input_ids"] = rng.integers(0, 64, (1, n))
+                del feed["hidden"]
+            want, got = (session.run(None, feed) for session in sessions)
+            for a, b in zip(want, got):
+                assert a.shape == b.shape and np.array_equal(a, b), (swap, past, n)
+
+
+@needs_ort
 def test_the_runner_reads_the_cache_in_place_and_decodes_the_same_tokens(bundles):
     """Through the backend, each layer's new keys land right after the cached ones (IO binding), so the op reads the
     whole cache where it lies, never copying it; Kangaroo gives transformers' tokens, as with the exported attention."""

@@ -242,6 +242,7 @@ def test_token_trees_on_onnxruntime_match_the_target_alone(smollm, references):
     assert sum(rates["wide"]) > sum(rates["chain"])
 
 
+@pytest.mark.extra  # `make test-extra` (CI runs both); the tiny-model batch and captured-path tests run in `make test`
 def test_many_streams_and_the_captured_path_on_the_real_model(smollm, references):
     """SmolLM2: 5 prompts decoding 4 at a time (target alone and Kangaroo, continuous batching, merged passes) and
     the captured path on the CPU (graphs on) are token-identical to each prompt decoded alone, eagerly."""
