@@ -314,13 +314,11 @@ class CostAwarePolicy(StoppingPolicy):
         if self.gated:  # what drafting rounds have yielded, drops and misses included
             tokens, cost = self.yielded or self.prior_round(most)
             drafting = tokens / cost / (1 + self.margin)
-            plain = self.rate(0, 0.0)
         else:
             first = RESUME if self.first is None else self.first  # before any verdict: the prior
             later = first if self.later is None else self.later
             drafting = max(self.rate(1, first), self.best_rate(1, first, first, later, most))
-            plain = self.rate(0, 0.0)
-        if drafting > plain:
+        if drafting > self.rate(0, 0.0):
             self.skipped, self.interval = 0, self.probe
             return most
         self.skipped += 1

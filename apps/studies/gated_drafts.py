@@ -23,21 +23,18 @@ from pathlib import Path
 
 import click
 
+from kangaroo_apps.cli_options import parse_key_values
+from kangaroo_core.errors import UsageError
+
 
 def parse_variant(text: str) -> dict:
-    """``"gate=false;margin=0"`` → ``{"gate": False, "margin": 0}`` (values as JSON where they parse)."""
+    """``"gate=false;margin=0"`` → ``{"gate": False, "margin": 0}`` (as ``--policy-option`` parses each item)."""
     if text == "default":
         return {}
-    options = {}
-    for part in text.split(";"):
-        key, sep, value = part.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(f"each variant is 'default' or KEY=VALUE[;KEY=VALUE...], got {text!r}")
-        try:
-            options[key] = json.loads(value)
-        except ValueError:
-            options[key] = value
-    return options
+    try:
+        return parse_key_values(text.split(";"), "--variants")
+    except UsageError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 def _spec(backend: str, threads: int):
