@@ -35,6 +35,7 @@ import torch
 
 from kangaroo_core.config import DEFAULT_EXIT_LAYER, DEFAULT_POLICY, DecodeConfig, SamplingConfig
 from kangaroo_core.errors import KangarooError
+from kangaroo_core.machine import host_threads
 
 #: Logits processors that are the sampling warpers Kangaroo applies itself (from generation_config's values).
 SAMPLING_WARPERS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper")
@@ -196,7 +197,8 @@ def _decode(engine, prompt, budget, input_ids, stopping_criteria, streamer):
     eos = engine.backend.eos_token_ids
     while True:
         try:
-            emitted = next(loop)
+            with host_threads(engine.backend):  # as TextStream drives the loop
+                emitted = next(loop)
         except StopIteration as done:
             return new, done.value
         taken = emitted

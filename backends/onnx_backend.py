@@ -58,12 +58,10 @@ from kangaroo_core.interfaces import Backend, DeepOutput
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 #: ``spinning`` option values: whose intra-op threads busy-wait between the ops of a run instead of sleeping (they
 #: stop when the run ends: ``session.force_spinning_stop``). Waking a sleeping thread costs microseconds, paid by each
-#: parallel op of a ~1,500-node pass; but each session has its own thread pool, and threads spinning on after a run
-#: take the cores the next session needs. Measured (SmolLM2 4-bit int8 graphs, 2 threads, 128 tokens, engines
-#: alternating in one process): ``deep`` makes the target alone +20 % faster (67.9 → 81.7 tok/s) and Kangaroo −7 %
-#: (73.4 → 68.5: its drafter's sessions and torch's threads run between the deep passes); ``all``: +23 % (62.0 →
-#: 76.0) / −11 % (73.4 → 65.1);
-#: threads spinning on after their runs: −30 % for Kangaroo, every pool at once halves the speed. Default ``none``.
+#: parallel op of a ~1,500-node pass. Each session has its own thread pool, but its threads stop spinning when its run
+#: ends, so they never take the cores of the next session's run; what did take them was torch's own idle team, woken
+#: by the loop's tensor work between runs (the backend's ``host_threads`` keeps that work on one thread). Default
+#: ``all``; ``none`` for a machine shared with other busy processes.
 SPINNING = ("none", "deep", "all")
 #: ``attention`` option values: how each layer's attention over the KV cache runs on CPU. ``auto``: kangaroo's
 #: custom op that reads the cache in place (:mod:`kangaroo_backends.ort_attention`) where it can be built and the
@@ -185,7 +183,7 @@ class OnnxOptions:
     #: MatMulNBits' accuracy level for ``gguf`` weights (0..4; None: 1, float32 activations)
     accuracy_level: int | None = attrs.field(default=None, converter=_integer, validator=_accuracy_level)
     #: whose threads busy-wait between the ops of a run (:data:`SPINNING`)
-    spinning: str = attrs.field(default="none", validator=_one_of(SPINNING))
+    spinning: str = attrs.field(default="all", validator=_one_of(SPINNING))
     #: how the attention over the KV cache runs on CPU (:data:`ATTENTION`)
     attention: str = attrs.field(default="auto", validator=_one_of(ATTENTION))
     #: how ``gguf`` weights are multiplied (:data:`KERNELS`)
@@ -378,8 +376,7 @@ class OnnxBackend(Backend):
     Options (:class:`OnnxOptions`, validated once and kept in :attr:`options`): ``provider`` (auto | cpu | cuda),
     ``bundle`` (a directory from ``kangaroo export-onnx``; default: the export cache), ``threads`` (intra-op threads
     per session; default: onnxruntime's choice), ``weights`` / ``accuracy_level``, ``spinning`` (:data:`SPINNING`:
-    whose threads busy-wait between the ops of a run; default ``none``; ``deep`` speeds up the 4-bit int8 target alone
-    at 2+ threads, not drafting), ``attention`` (:data:`ATTENTION`).
+    whose threads busy-wait between the ops of a run; default ``all``), ``attention`` (:data:`ATTENTION`).
     """
 
     @property
@@ -402,8 +399,8 @@ class OnnxBackend(Backend):
              help="With --onnx-weights gguf: MatMulNBits accuracy level. 1 (default) float32 activations; 4 int8 "
                   "activations (faster; lossy vs transformers, still lossless vs this backend's target alone)."),
         Flag("--onnx-spinning", "spinning", choices=SPINNING,
-             help="2+ threads: whose threads busy-wait between ops during a run (default none). deep speeds up the "
-                  "4-bit int8 target alone (~+20%) but slows drafting (~-7%): for decoding without a drafter."),
+             help="2+ threads: whose threads busy-wait between ops during a run, stopping when it ends (default "
+                  "all: every session's; none: threads sleep between ops, for a CPU shared with other busy work)."),
         Flag("--onnx-kernel", "kernel", choices=KERNELS,
              help="With --onnx-weights gguf, on CPU: auto (default) multiplies by kangaroo's block kernel (every "
                   "block read once for all rows of a verify pass; built once with the C compiler, AVX2) where it can, "
@@ -449,6 +446,7 @@ class OnnxBackend(Backend):
         describe_split_model(self, model, tokenizer, exit_layer, model_name)
         self.provider = resolve_provider(self.ort, options.provider)
         self.device = torch.device("cuda", 0) if self.provider == PROVIDERS["cuda"] else torch.device("cpu")
+        self.host_threads = 1 if self.provider == PROVIDERS["cpu"] else None  # torch's glue beside onnxruntime's pools
         if self.weights == "gguf" and bundle is None:
             self.kernel = resolve_kernel(options.kernel, self.provider, self.accuracy_level)
         self.bundle = bundle
@@ -461,7 +459,7 @@ class OnnxBackend(Backend):
     @classmethod
     def create(cls, config: DecodeConfig, model: Any = None, device: str | None = None, dtype: str = "float32",
                provider: str = "auto", bundle: str | None = None, threads: int | None = None, weights: str = "float32",
-               accuracy_level: int | None = None, spinning: str = "none", attention: str = "auto",
+               accuracy_level: int | None = None, spinning: str = "all", attention: str = "auto",
                kernel: str = "auto") -> "OnnxBackend":
         provider = provider_for_device(device, provider)
         options = OnnxOptions(provider=provider, bundle=bundle, threads=threads, weights=weights,
@@ -553,7 +551,7 @@ class OnnxBackend(Backend):
         options = ort.SessionOptions()
         options.log_severity_level = 3
         # Several sessions take turns every few milliseconds, each with its own thread pool: a pool spinning after its
-        # run takes the cores the next session needs, so idle threads sleep unless asked (SPINNING)
+        # run would take the cores the next session needs, so spinning ones stop when their run ends (SPINNING)
         spinning = spin or self.spinning == "all"
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
         if spinning:

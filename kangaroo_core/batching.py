@@ -33,6 +33,7 @@ import greenlet
 import torch
 
 from kangaroo_core.config import ConfigError, SamplingConfig
+from kangaroo_core.machine import host_threads
 from kangaroo_core.results import Emitted, GenerationResult
 from kangaroo_core.text_pieces import TextPieces
 
@@ -250,6 +251,10 @@ class Batch:
     def step(self) -> bool:
         """Admit waiting streams, run every stream up to its next backend call, then one merged pass. False when
         nothing is running or waiting."""
+        with host_threads(self.engine.backend):
+            return self._step()
+
+    def _step(self) -> bool:
         self._hub = greenlet.getcurrent()
         self._admit()
         while self._ready:

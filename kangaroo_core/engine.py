@@ -29,6 +29,7 @@ from kangaroo_core.assembly import EngineSpec, build_pieces, build_verifier, che
 from kangaroo_core.config import DEFAULT_DRAFTER, DEFAULT_EXIT_LAYER, DEFAULT_POLICY, ConfigError, DecodeConfig, SamplingConfig
 from kangaroo_core.errors import PromptError
 from kangaroo_core.interfaces import Backend, SelfDrafter, StoppingPolicy, TreeShaper, Verifier
+from kangaroo_core.machine import host_threads
 from kangaroo_core.results import DraftStep, Emitted, GenerationResult, RoundResult, Verdict, cut_at_eos
 from kangaroo_core.sampling import draw, make_generator, target_probs
 from kangaroo_core.text_pieces import TextPieces
@@ -445,6 +446,7 @@ class TextStream(Iterator[str]):
     def __init__(self, engine: Engine, prompt_ids: list[int], max_new_tokens: int):
         self._pieces = TextPieces(engine.backend.tokenizer)
         self._loop = engine.decode(prompt_ids, max_new_tokens)
+        self._backend = engine.backend
         self.result: GenerationResult | None = None
 
     def __next__(self) -> str:
@@ -452,7 +454,8 @@ class TextStream(Iterator[str]):
             raise StopIteration
         while True:
             try:
-                new = next(self._loop)
+                with host_threads(self._backend):  # set per token: the consumer's own work keeps its threads
+                    new = next(self._loop)
             except StopIteration as stop:
                 self.result = stop.value
                 tail = self._pieces.finish(self.result.text)

@@ -78,6 +78,9 @@ class Backend(abc.ABC):
     #: None, or why this backend's multi-position passes do not compute what one-position passes would (e.g. per-pass
     #: activation quantization): the engine then refuses a drafter, since verification would not be lossless.
     inexact_multi_position: str | None = None
+    #: None, or torch's intra-op threads for the loop's own tensor work (logits, sampling) while this backend decodes:
+    #: a backend whose passes run on their own thread pool sets 1, since torch's idle team waking beside it slows them.
+    host_threads: int | None = None
 
     @classmethod
     @abc.abstractmethod

@@ -1,7 +1,9 @@
-"""What this machine is, for caches keyed by it: the CPU's model and instruction-set flags."""
+"""What this machine is, for caches keyed by it: the CPU's model and instruction-set flags; and torch's threads
+beside a backend that runs on its own thread pool."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import platform
@@ -67,3 +69,18 @@ def cpu_line(description: dict[str, str] | None = None) -> str:
     forced = f" · {d['forced_isa']}" if "forced_isa" in d else ""
     return (f"{d['model']} (family/model/stepping {d['family_model_stepping']}, {d['logical_cpus']} logical CPUs; "
             f"{d['kernel_flags'] or 'no listed SIMD flags'}){forced}")
+
+
+@contextlib.contextmanager
+def host_threads(backend):
+    """torch's intra-op threads set to ``backend.host_threads`` (if any) for the loop's own tensor work; restored after."""
+    import torch
+
+    wanted, before = getattr(backend, "host_threads", None), torch.get_num_threads()
+    if wanted is not None and wanted != before:
+        torch.set_num_threads(wanted)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)

@@ -13,8 +13,10 @@ machine that slows down mid-run shifts every size alike rather than one.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import os
 import random
 import statistics
 import time
@@ -24,7 +26,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from kangaroo_core.machine import cpu_identity, forced_paths
+from kangaroo_core.machine import cpu_identity, forced_paths, host_threads
 from kangaroo_core.paths import cache_dir
 
 DEFAULT_POSITIONS = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -42,7 +44,7 @@ SHORT_CONTEXT = 64
 #: names the timings per measured size of the cost-aware policy's curve (default 9)
 REPEATS_ENV = "KANGAROO_COST_REPEATS"
 #: bumped when what a cached curve holds changes: older files are measured again
-COST_VERSION = 7
+COST_VERSION = 8
 #: the k of :func:`_time_rounds` for a round whose one draft is dropped unverified (a plain step + one drafter step)
 DROPPED = -1
 
@@ -188,6 +190,18 @@ def _time_rounds(backend, drafter, ids: list[int], context: int, k: int, count: 
     return times
 
 
+def on_host_threads(measure):
+    """``measure(backend, ...)`` with torch held to ``backend.host_threads`` (if any), as the loop holds it: an engine
+    binds, and its policy or tree measures, outside the loop."""
+    @functools.wraps(measure)
+    def measured(backend, *args, **kwargs):
+        with host_threads(backend):
+            return measure(backend, *args, **kwargs)
+
+    return measured
+
+
+@on_host_threads
 def measure_costs(backend, drafter=None, *, context: int = 300, positions: Sequence[int] = DEFAULT_POSITIONS,
                   repeats: int = 15, seed: int = 0, progress=None, rounds: int = 0) -> CostCurve:
     """Measure ``t(n)`` for every size in ``positions`` and, with a bound ``drafter``, one draft step and (``rounds``
@@ -244,7 +258,7 @@ def measure_costs(backend, drafter=None, *, context: int = 300, positions: Seque
             progress()
     backend.crop(context)
     return CostCurve(
-        backend=backend.name, kernels=_variant(backend), threads=torch.get_num_threads(),
+        backend=backend.name, kernels=_variant(backend), threads=_threads(backend),
         context=context, positions=positions,
         verify_ms=tuple(1000 * statistics.median(times[n]) for n in positions),
         draft_step_ms=1000 * statistics.median(draft_times) if draft_times else None, repeats=repeats,
@@ -260,6 +274,7 @@ def _clock(backend):
     return time.perf_counter
 
 
+@on_host_threads
 @torch.inference_mode()
 def measure_batch_passes(backend, drafter, *, context: int = 300, streams: Sequence[int] = DRAFT_STREAMS,
                          rows: Sequence[int] = VERIFY_ROWS, repeats: int = 9,
@@ -334,9 +349,21 @@ def cost_key(backend, drafter) -> dict:
         device += ": " + torch.cuda.get_device_name(torch.device(device))
     return {"version": COST_VERSION, "machine": cpu_identity(), "forced_paths": forced_paths(), "device": device, "backend": backend.name, "kernels": _variant(backend),
             "kernel_sources": str(getattr(backend, "kernel_sources", "")),
-            "dtype": str(getattr(backend, "dtype", "")), "threads": torch.get_num_threads(),
+            "dtype": str(getattr(backend, "dtype", "")), "threads": _threads(backend),
+            "spinning": str(getattr(backend, "spinning", "")),
             "model": str(getattr(backend, "fingerprint", backend.model_name)), "exit_layer": backend.exit_layer,
             "drafter": f"{getattr(drafter, 'name', '')}:{getattr(drafter, 'resolved_adapter', '')}"}
+
+
+def _threads(backend) -> int:
+    """The threads a pass runs on: torch's, or for a backend on its own pools (``host_threads`` set: torch is then
+    held to those inside the loop) the backend's own (None: onnxruntime's choice, one per core)."""
+    if getattr(backend, "host_threads", None) is None:
+        return torch.get_num_threads()
+    own = getattr(backend, "threads", None)
+    if own:
+        return own
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def cost_file(key: dict) -> Path:

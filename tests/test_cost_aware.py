@@ -340,6 +340,32 @@ def test_the_gate_decides_for_a_stream_alone_and_a_batch_decides_as_before(batch
     assert policy.round_budget(6) == (0 if streams == 1 else 6)
 
 
+def test_the_curve_is_measured_on_the_backends_host_threads_although_an_engine_binds_outside_the_loop(monkeypatch,
+                                                                                                    tmp_path):
+    """A backend on its own thread pools (``host_threads``, the onnx backend on CPU) is priced as the loop runs it:
+    every pass of the curve (rounds, passes, a batch's merged passes) with torch held to those threads, although the
+    policy measures when its engine binds; torch's setting is back after."""
+    import torch
+
+    monkeypatch.setenv("KANGAROO_CACHE_DIR", str(tmp_path))  # nothing cached: the engine below measures
+    monkeypatch.setenv("KANGAROO_COST_REPEATS", "1")
+    backend = tiny_backend(tiny_llama(12, vocab=64, hidden=32, layers=3), exit_layer=1)
+    backend.host_threads = 1
+    seen = []
+    for name in ("shallow", "shallow_many"):  # every measured pass, round and batch pass starts with M[:l]
+        method = getattr(type(backend), name)
+        monkeypatch.setattr(type(backend), name,
+                            lambda self, *a, _m=method, **k: seen.append(torch.get_num_threads()) or _m(self, *a, **k))
+    config = DecodeConfig(gamma=2, exit_layer=1, max_new_tokens=8)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        Engine(backend, KangarooDrafter(), CostAwarePolicy.create(config), GreedyVerifier(), config)
+        assert seen and set(seen) == {1} and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_timings_per_size_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("KANGAROO_COST_REPEATS", "2")
     assert cost_model._repeats(9) == 2

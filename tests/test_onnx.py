@@ -16,7 +16,7 @@ import torch
 from kangaroo_backends.onnx_bundle import EXPORT_KEY, FORMAT_VERSION
 from kangaroo_apps.cli import main
 from kangaroo_core.config import ConfigError, DecodeConfig
-from kangaroo_core.engine import Engine
+from kangaroo_core.engine import Engine, TextStream
 from kangaroo_core.errors import (AdapterMismatchError, MissingDependencyError, OnnxExportError, OnnxModelError,
                                   ProviderError)
 from kangaroo_plugins.kangaroo.adapter import KangarooAdapter
@@ -482,8 +482,39 @@ def test_spinning_sets_which_sessions_busy_wait_and_changes_no_token(bundles, sp
         assert options.get_session_config_entry("session.intra_op.allow_spinning") == want, name
         if name in spins:
             assert options.get_session_config_entry("session.force_spinning_stop") == "1", name
-    plain = kangaroo_engine(onnx_backend(2, 1, bundles(2, 1)), 1, 0.3, 4).generate_ids(prompt, 24)
+    plain = kangaroo_engine(onnx_backend(2, 1, bundles(2, 1), spinning="none"), 1, 0.3, 4).generate_ids(prompt, 24)
     assert got.token_ids == plain.token_ids == hf_greedy(model(2), prompt, 24)
+
+
+@needs_ort
+def test_the_loop_holds_torch_to_one_thread_beside_onnxruntime_and_gives_it_back(bundles, monkeypatch):
+    """A CPU onnx backend's ``host_threads``: torch's own work in the loop (here the verifier's) runs on one thread,
+    alone and in a batch, and the caller's setting is back after each token, each batch step and at the end."""
+    from kangaroo_core.machine import host_threads
+
+    backend = onnx_backend(2, 1, bundles(2, 1))
+    assert backend.host_threads == 1 and backend.spinning == "all"
+    seen = []
+    verify = GreedyVerifier.verify
+    monkeypatch.setattr(GreedyVerifier, "verify", lambda self, *a: seen.append(torch.get_num_threads()) or verify(self, *a))
+    engine = kangaroo_engine(backend, 1, 0.3, 4)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for _ in TextStream(engine, [7, 1, 30, 12, 9], 12):
+            assert torch.get_num_threads() == 2  # the consumer's own work between tokens keeps its threads
+        assert seen and set(seen) == {1}
+        seen.clear()
+        batch = engine.batch(max_batch=2)
+        streams = [batch.submit(p, chat=False, max_new_tokens=10) for p in ([7, 1, 30], [4, 4, 2, 9])]
+        while batch.step():
+            assert torch.get_num_threads() == 2
+        assert all(s.wait().token_ids for s in streams) and seen and set(seen) == {1}
+        with host_threads(backend):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 @needs_ort
