@@ -414,8 +414,6 @@ def cached_costs(backend, drafter, most: int, *, repeats: int = 9) -> CostCurve:
 def _repeats(default: int) -> int:
     """``$KANGAROO_COST_REPEATS`` (timings per measured size: fewer for a quick run, e.g. a test suite), else
     ``default``."""
-    import os
-
     value = os.environ.get(REPEATS_ENV, "").strip()
     try:
         return max(1, int(value)) if value else default
